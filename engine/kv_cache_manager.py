@@ -1,0 +1,124 @@
+"""Per-request block tables over the block pool, with prefix caching and copy-on-write.
+
+A full block is identified by a chained hash: hash(parent block's hash, this block's tokens),
+so equal hashes mean equal whole prefixes. Blocks are registered in the cache as soon as they
+are scheduled full: their tokens are known then, and their K/V is written in the same forward
+pass, before any attention reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from engine.block_pool import BlockHash, BlockPool
+from engine.request import Request
+
+
+def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        # (src, dst) block copies the next forward pass must make before it writes (copy-on-write).
+        self.pending_copies: list[tuple[int, int]] = []
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_table(self, request: Request) -> list[int]:
+        return self.tables.get(request.request_id, [])
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest cached run of the request's full blocks. The last token is never taken
+        from the cache: its logits are needed to sample."""
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return []
+        hits = []
+        for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (plus the prefix
+        hits in `computed_blocks`, for a request being admitted). False, with nothing changed,
+        when the pool is too short."""
+        computed_blocks = computed_blocks or []
+        bs = self.block_size
+        table = self.tables.setdefault(request.request_id, [])
+        start = request.num_computed_tokens + len(computed_blocks) * bs
+        end = start + num_new_tokens
+        num_new_blocks = max(0, -(-end // bs) - len(table) - len(computed_blocks))
+        # The first block written may be a partial block shared with a forked sibling.
+        cow = start % bs != 0 and num_new_tokens > 0 and self.pool.blocks[table[start // bs]].ref_cnt > 1
+        revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if num_new_blocks + int(cow) + revived > self.pool.num_free:
+            return False
+        for block_id in computed_blocks:
+            self.pool.take(block_id)
+        table.extend(computed_blocks)
+        if cow:
+            shared = table[start // bs]
+            (private,) = self.pool.allocate(1)
+            self.pending_copies.append((shared, private))
+            self.pool.release([shared])
+            table[start // bs] = private
+        table.extend(self.pool.allocate(num_new_blocks))
+        self._register_full_blocks(request, table, end // bs)
+        return True
+
+    def _register_full_blocks(self, request: Request, table: list[int], num_full: int) -> None:
+        if not self.enable_caching:
+            return
+        done = self._num_registered.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(done, num_full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_registered[request.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks (shared, ref counted); writes copy on demand."""
+        table = list(self.tables[parent.request_id])
+        for block_id in table:
+            self.pool.take(block_id)
+        self.tables[child.request_id] = table
+        num_prompt_blocks = child.num_prompt_tokens // self.block_size
+        self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:num_prompt_blocks]
+        self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), num_prompt_blocks)
+
+    def free(self, request: Request) -> None:
+        table = self.tables.pop(request.request_id, [])
+        self.pool.release(table[::-1])
+        self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def check_consistency(self) -> None:
+        refs: dict[int, int] = {}
+        for table in self.tables.values():
+            for block_id in table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        self.pool.check_consistency(refs)

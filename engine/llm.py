@@ -1,0 +1,62 @@
+"""The offline API, shaped like vLLM's: `LLM(model=None, **config).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, object]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config: object) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. All prompts are validated before any runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for prompt, p in zip(prompts, params):
+            self.engine.validate(self.engine.tokenize(prompt), p)
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template already holds the special tokens; do not add a second BOS.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)

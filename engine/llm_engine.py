@@ -1,0 +1,200 @@
+"""The engine: requests in, one scheduled step at a time, outputs out. Not thread-safe: one
+thread (the engine thread) drives it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.model_input import build_model_input
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.kv_cache_manager import KVCacheManager
+from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, position_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from kernels.attention import select_attention_backend
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded: LoadedModel = load_model(config.model)
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.model_path = loaded.path
+        self.vocab_size = int(self.hf_config.vocab_size)
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or max(
+            1, int(cache.kv_cache_memory_gib * 2**30) // kv_bytes_per_block(self.hf_config, cache.block_size, loaded.dtype)
+        )
+        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.max_model_len = config.resolve_max_model_len(model_limit, num_blocks)
+        self.block_size = cache.block_size
+        backend = select_attention_backend(config.model.attention_backend, config.model.device)
+        self.runner = ModelRunner(loaded.model, backend, num_blocks, cache.block_size, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(config.model.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests in
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything that would make the request fail inside a step is rejected here."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt must not be empty", "prompt")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate", "prompt",
+            )
+        params.validate()
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}", "n"
+            )
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}", name)
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", name)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        sequences = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
+            sequences.append(
+                Request(
+                    request_id=request_id if i == 0 else f"{request_id}#{i}",
+                    group_id=request_id,
+                    index=i,
+                    prompt_token_ids=prompt_ids,
+                    params=params,
+                    arrival_time=arrival,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    generator=generator,
+                    status=RequestStatus.WAITING if i == 0 else RequestStatus.AWAITING_FORK,
+                )
+            )
+        sequences[0].forks = sequences[1:]
+        group = RequestGroup(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            sequences,
+            [SequenceText(IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)) for _ in sequences],
+        )
+        self.groups[request_id] = group
+        self.scheduler.add(sequences[0])
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; its last output, or None if unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.sequences:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return make_output(group, group.sequences[0].prompt_logprobs)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ----------------------------------------------------------------- one step
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        inp = build_model_input(out, self.block_size, self.runner.device)
+        logits = self.runner.execute(inp)
+
+        rows: list[torch.Tensor] = []
+        to_sample: list[Request] = []
+        for s, (first, count) in zip(out.scheduled, inp.logits_rows):
+            request = s.request
+            if request.wants_prompt_logprobs:
+                self._record_prompt_logprobs(request, logits[first : first + count])
+            samples = s.samples
+            request.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            row = logits[first + count - 1]
+            for seq in [request, *self.scheduler.fork(request)]:
+                rows.append(row)
+                to_sample.append(seq)
+        if not to_sample:
+            return []
+
+        touched: dict[str, RequestGroup] = {}
+        for request, sample in zip(to_sample, self.sampler(torch.stack(rows), to_sample)):
+            request.append_token(sample.token_id)
+            if request.logprobs is not None:
+                request.logprobs.append(sample.logprobs)
+            check_stop(request, sample.token_id, self.max_model_len)
+            group = self.groups[request.group_id]
+            update_text(request, group.texts[request.index], sample.token_id)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request)
+            touched[group.request_id] = group
+
+        outputs = []
+        for group in touched.values():
+            outputs.append(make_output(group, group.sequences[0].prompt_logprobs))
+            if group.finished:
+                del self.groups[group.request_id]
+        return outputs
+
+    def _record_prompt_logprobs(self, request: Request, rows: torch.Tensor) -> None:
+        """Row j of this chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
+        assert request.prompt_logprobs is not None
+        logprobs = torch.log_softmax(rows, dim=-1)
+        top_n = request.params.prompt_logprobs or 0
+        for j in range(rows.shape[0]):
+            target = request.num_computed_tokens + j + 1
+            if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
+                token = request.prompt_token_ids[target]
+                request.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))

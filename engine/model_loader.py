@@ -1,0 +1,104 @@
+"""Load config, tokenizer and weights of a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from config import ModelConfig
+from engine.default_model import default_model_dir
+from engine.errors import ModelLoadError
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import resolve_architecture
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    hf_config: object
+    tokenizer: object
+    model: LlamaForCausalLM
+    dtype: torch.dtype
+
+
+def resolve_model_path(config: ModelConfig) -> Path:
+    if config.model is None:
+        return default_model_dir(config.model_cache_dir)
+    path = Path(config.model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model folder {config.model!r} does not exist (pagedserve loads local Hugging Face folders; "
+            "omit the model to serve the bundled default)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {path} has no config.json")
+    return path
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half-precision matmuls are slow on most CPUs
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    declared = _DTYPES.get(str(declared).removeprefix("torch."), torch.bfloat16)
+    return torch.bfloat16 if declared == torch.float32 else declared
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {path}")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    path = resolve_model_path(config)
+    hf_config = load_hf_config(path)
+    architecture = resolve_architecture(hf_config)
+    tokenizer = load_tokenizer(path if config.tokenizer is None else Path(config.tokenizer))
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(iter_safetensors(path))
+    model.eval()
+    log.info("loaded %s (%s, %s) from %s", architecture, dtype, device, path)
+    return LoadedModel(path, hf_config, tokenizer, model, dtype)

@@ -1,0 +1,200 @@
+"""One implementation for the Llama family: Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3.
+
+The differences are switches read from the Hugging Face config: q/k/v bias (Qwen2, or
+`attention_bias`), per-head q/k RMSNorm (Qwen3), the RoPE variant, tied embeddings. The model
+works on one flattened varlen batch (no padding, no batch dimension); attention reads and writes
+the paged KV cache through the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.models.rotary import RotaryEmbedding, rope_parameters
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ctx.rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ForwardContext:
+    """What every layer needs for one step besides its input."""
+
+    def __init__(self, rotary, backend: AttentionBackend, kv_caches, meta: AttentionMetadata) -> None:
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.meta = meta
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, max_positions: int) -> None:
+        """Built after the weights are in place (the module is created on the meta device)."""
+        weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            head_dim_of(self.config), max_positions, rope_parameters(self.config), weight.device, weight.dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ctx = ForwardContext(self.rotary, backend, kv_caches, meta)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_name(hf_name)
+            if target is None or (target[0] == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            name, offset_of = target
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
+            param = params[name]
+            rows = slice(None)
+            if offset_of is not None:
+                start = self._fused_offset(name, offset_of)
+                rows = slice(start, start + tensor.shape[0])
+            with torch.no_grad():
+                dst = param.data[rows]
+                if dst.shape != tensor.shape:
+                    raise ModelLoadError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                dst.copy_(tensor)
+            loaded.add(f"{name}:{offset_of}")
+        expected = {f"{n}:{part}" for n in params for part in _fused_parts(n)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _fused_offset(self, name: str, part: str) -> int:
+        attn = self.layers[0].self_attn
+        mlp = self.layers[0].mlp
+        return {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size, "gate": 0, "up": mlp.intermediate}[part]
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def _map_name(hf_name: str) -> tuple[str, str | None] | None:
+    """HF tensor name -> (our parameter name, fused part or None); None for tensors we skip."""
+    if "rotary_emb" in hf_name:
+        return None
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, piece = _FUSED[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), piece
+    return name, None
+
+
+def _fused_parts(param_name: str) -> list[str | None]:
+    if ".qkv_proj." in param_name:
+        return ["q", "k", "v"]
+    if ".gate_up_proj." in param_name:
+        return ["gate", "up"]
+    return [None]

@@ -1,0 +1,36 @@
+"""What the engine returns: vLLM-shaped request and completion outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A position's logprobs: token id -> logprob, the chosen token first, then the top alternatives.
+PositionLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[PositionLogprobs] | None = None
+    # Streaming: what is new since the previous output of this request.
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # prompt_logprobs[0] is None: the first prompt token has no context to be predicted from.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -1,0 +1,110 @@
+"""Turn logits into tokens: logit bias and penalties, then greedy or filtered random sampling.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits before bias,
+penalties and temperature), as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import PositionLogprobs
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprobs: PositionLogprobs | None
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI: the bias is added to the logit of each listed token before sampling."""
+    ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+    vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    logits.index_add_(0, ids, vals)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+    """In place on one row. Repetition (over prompt and output tokens): a positive logit is
+    divided by the penalty, a negative one multiplied. Frequency and presence (OpenAI, over the
+    generated tokens): logit -= count * frequency_penalty + (count > 0) * presence_penalty."""
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        if seen.numel():
+            vals = logits[seen]
+            p = params.repetition_penalty
+            logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=logits.shape[0])[: logits.shape[0]]
+        logits -= counts.to(logits.dtype) * params.frequency_penalty + (counts > 0).to(logits.dtype) * params.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (-inf) every token outside the support of min-p, then top-k, then top-p (on the
+    distribution renormalized after top-k). The most likely token always survives."""
+    out = logits.clone()
+    if min_p > 0:
+        probs = torch.softmax(out, dim=-1)
+        out[probs < min_p * probs.max()] = float("-inf")
+    if top_k > 0 or top_p < 1:
+        sorted_logits, order = out.sort(descending=True)
+        if 0 < top_k < sorted_logits.shape[-1]:
+            sorted_logits[top_k:] = float("-inf")
+        if top_p < 1:
+            probs = torch.softmax(sorted_logits, dim=-1)
+            before = probs.cumsum(-1) - probs  # mass strictly above each token
+            drop = before >= top_p
+            drop[0] = False
+            sorted_logits[drop] = float("-inf")
+        out = torch.empty_like(out).scatter_(0, order, sorted_logits)
+    return out
+
+
+def position_logprobs(logprobs_row: torch.Tensor, token_id: int, top_n: int) -> PositionLogprobs:
+    """The chosen token's logprob first, then the top `top_n` alternatives in rank order."""
+    result = {token_id: float(logprobs_row[token_id])}
+    if top_n:
+        values, ids = logprobs_row.topk(top_n)
+        for i, v in zip(ids.tolist(), values.tolist()):
+            result.setdefault(i, v)
+    return result
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        # Unseeded requests share this generator; seeded ones carry their own.
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
+        """One token per row; row i belongs to requests[i]."""
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        samples = []
+        for i, request in enumerate(requests):
+            token = self._sample_row(logits[i], request)
+            lp = None
+            if raw_logprobs is not None and request.params.logprobs is not None:
+                lp = position_logprobs(raw_logprobs[i], token, request.params.logprobs)
+            samples.append(Sample(token, lp))
+        return samples
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+        params = request.params
+        if params.logit_bias or params.uses_penalties:
+            row = row.clone()
+            if params.logit_bias:
+                apply_logit_bias(row, params.logit_bias)
+            if params.uses_penalties:
+                apply_penalties(row, params, request.prompt_token_ids, request.output_token_ids)
+        if params.greedy:
+            return int(row.argmax())
+        row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = torch.softmax(row, dim=-1).cpu()
+        generator = request.generator or self.generator
+        return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,1 @@
+"""Compute kernels and their dispatch: attention backends and the paged KV store."""

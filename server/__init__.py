@@ -1,0 +1,1 @@
+"""HTTP frontend and the `pagedserve` command line."""
