@@ -87,14 +87,13 @@ class EngineConfig(_Strict):
                 known = ", ".join(sorted(owners))
                 raise ConfigError(f"unknown setting {key!r} ({flag(key)}); known settings: {known}")
             sections[owners[key]][key] = value
-        try:
-            return cls(
-                model=ModelConfig(**sections["model"]),
-                cache=CacheConfig(**sections["cache"]),
-                scheduler=SchedulerConfig(**sections["scheduler"]),
-            )
-        except ValidationError as exc:
-            raise ConfigError(describe(exc)) from None
+        built: dict[str, BaseModel] = {}
+        for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            try:
+                built[name] = section(**sections[name])
+            except ValidationError as exc:
+                raise ConfigError(describe(exc, section)) from None
+        return cls(**built)
 
     def resolve_max_model_len(self, model_limit: int, num_blocks: int) -> int:
         """The context limit in force, checked against what the model and the KV pool can hold."""
@@ -113,11 +112,33 @@ class EngineConfig(_Strict):
         return max_len
 
 
-def describe(exc: ValidationError) -> str:
-    """One line per invalid field, naming its CLI flag."""
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _allowed_range(section: type[BaseModel], name: str) -> str | None:
+    """A field's numeric bounds as words, e.g. ">= 1 and <= 4096"."""
+    info = section.model_fields.get(name)
+    if info is None:
+        return None
+    bounds = [
+        f"{symbol} {getattr(m, attr)}"
+        for m in info.metadata
+        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+        if getattr(m, attr, None) is not None
+    ]
+    return " and ".join(bounds) or None
+
+
+def describe(exc: ValidationError, section: type[BaseModel]) -> str:
+    """One line per invalid field of `section`, naming its CLI flag and, for a number out of
+    bounds, the whole allowed range."""
     lines = []
     for err in exc.errors():
         loc = [str(part) for part in err["loc"] if isinstance(part, str)]
-        name = flag(loc[-1]) if loc else "config"
-        lines.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+        if not loc:  # a check across fields: its message names the flags itself
+            lines.append(str(err.get("ctx", {}).get("error", err["msg"])))
+            continue
+        allowed = _allowed_range(section, loc[-1]) if err["type"] in _BOUND_ERRORS else None
+        message = f"must be {allowed}" if allowed else err["msg"]
+        lines.append(f"{flag(loc[-1])}: {message} (got {err.get('input')!r})")
     return "; ".join(lines)

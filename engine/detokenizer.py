@@ -37,10 +37,11 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         text = self._decode(self.tokens[self.prefix_offset :])
-        if len(text) <= len(prefix) or (text.endswith(_REPLACEMENT) and not final):
-            return ""
         # A prompt that ends in the middle of a character leaves U+FFFD in the prefix.
-        delta = text[len(prefix) :] if text.startswith(prefix) else text[len(prefix.rstrip(_REPLACEMENT)) :]
+        start = len(prefix) if text.startswith(prefix) else len(prefix.rstrip(_REPLACEMENT))
+        if len(text) <= start or (text.endswith(_REPLACEMENT) and not final):
+            return ""
+        delta = text[start:]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
         return delta

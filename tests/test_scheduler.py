@@ -1,0 +1,343 @@
+"""Scheduler over a real KVCacheManager, with no model: the step loop is simulated.
+
+Each simulated step advances `num_computed_tokens` by what was scheduled and appends a fake
+sampled token to every request whose ScheduledRequest samples (forking n > 1 siblings as the
+engine does). A shadow of the KV slots checks that the tables and block copies the scheduler
+hands out would make every sequence read back its own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class Sim:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    caching: bool = True
+    kv: KVCacheManager = field(init=False)
+    sched: Scheduler = field(init=False)
+    slots: list[list[int | None]] = field(init=False)
+    max_tokens: dict[str, int] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+    steps: int = 0
+    # Which scheduled requests sampled in the last step (`samples` is only meaningful before
+    # num_computed_tokens advances).
+    sampled: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, self.caching)
+        config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        self.sched = Scheduler(config, self.kv)
+        self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
+
+    def add(self, group_id: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
+        """Queue a request the way the engine does: sample 0 waits, its siblings await the fork."""
+        params = SamplingParams(n=n, max_tokens=max_tokens)
+        seqs = [
+            Request(
+                group_id if i == 0 else f"{group_id}#{i}", group_id, i, list(prompt), params, 0.0,
+                status=RequestStatus.WAITING if i == 0 else RequestStatus.AWAITING_FORK,
+            )
+            for i in range(n)
+        ]
+        seqs[0].forks = seqs[1:]
+        for seq in seqs:
+            self.max_tokens[seq.request_id] = max_tokens
+        self.sched.add(seqs[0])
+        return seqs[0]
+
+    def step(self) -> SchedulerOutput:
+        sched = self.sched
+        running_before = list(sched.running)
+        waiting_before = list(sched.waiting)
+        out = sched.schedule()
+        self.steps += 1
+        self.check_schedule(out, running_before, waiting_before)
+
+        # The forward pass: block copies first, then every scheduled token's K/V.
+        for src, dst in out.block_copies:
+            self.slots[dst] = list(self.slots[src])
+        bs = self.block_size
+        for s in out.scheduled:
+            req = s.request
+            for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
+                self.slots[s.block_table[p // bs]][p % bs] = req.all_token_ids[p]
+
+        self.sampled = [s.samples for s in out.scheduled]
+        for s, samples in zip(out.scheduled, self.sampled):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            for seq in [req, *sched.fork(req)]:
+                # Siblings sample different tokens, so their blocks must really diverge.
+                seq.append_token((seq.num_tokens * 7 + seq.index) % 5)
+                if seq.num_output_tokens >= self.max_tokens[seq.request_id]:
+                    sched.finish(seq)
+                    self.finished.append(seq)
+        assert len(sched.running) <= self.max_num_seqs
+        self.check_contents()
+        return out
+
+    def check_schedule(self, out: SchedulerOutput, running_before: list[Request], waiting_before: list[Request]) -> None:
+        sched = self.sched
+        assert out.num_tokens <= self.max_num_batched_tokens
+        assert len(sched.running) <= self.max_num_seqs
+        assert all(s.num_new_tokens >= 1 for s in out.scheduled)
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(set(ids)) == len(ids)
+
+        # Running requests first (in running order), then admissions from the head of the queue.
+        running_ids = [r.request_id for r in running_before]
+        k = sum(1 for rid in ids if rid in running_ids)
+        assert ids[:k] == [rid for rid in running_ids if rid in ids[:k]]
+        admitted = ids[k:]
+        assert admitted == [r.request_id for r in waiting_before[: len(admitted)]], "admission out of FCFS order"
+
+        if out.preempted:
+            # The most recently admitted requests are the victims; nothing new comes in.
+            victims = [r.request_id for r in out.preempted]
+            assert admitted == []
+            assert victims == running_ids[::-1][: len(victims)]
+            assert [r.request_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
+            for victim in out.preempted:
+                assert victim.num_computed_tokens == 0
+                assert victim.status == RequestStatus.WAITING
+                assert victim.request_id not in ids
+                assert not self.kv.block_table(victim)
+        else:
+            # A running request is skipped only when the budget is spent.
+            if k < len(running_before):
+                assert out.num_tokens == self.max_num_batched_tokens
+
+        for s in out.scheduled:
+            req = s.request
+            assert s.block_table == self.kv.tables[req.request_id]
+            assert len(s.block_table) * self.block_size >= req.num_computed_tokens + s.num_new_tokens
+            assert req.num_computed_tokens + s.num_new_tokens <= req.num_tokens
+            assert req.status == RequestStatus.RUNNING
+        self.kv.check_consistency()
+
+    def check_contents(self) -> None:
+        bs = self.block_size
+        for req in self.sched.running:
+            table = self.kv.tables[req.request_id]
+            seen = [self.slots[table[p // bs]][p % bs] for p in range(req.num_computed_tokens)]
+            assert seen == req.all_token_ids[: req.num_computed_tokens], f"{req.request_id} reads wrong K/V"
+
+    def run_to_completion(self, max_steps: int = 2000) -> None:
+        while self.sched.has_unfinished():
+            assert self.steps < max_steps, "no progress"
+            self.step()
+        self.check_all_free()
+
+    def check_all_free(self) -> None:
+        assert self.kv.pool.num_free == self.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
+        assert not any(self.kv.tables.values())
+        self.kv.check_consistency()
+
+
+def scheduled(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+# ----------------------------------------------------------------- random workloads
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int]]]:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    requests = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 6),  # the step it arrives at
+                st.lists(st.integers(0, 2), min_size=1, max_size=20),  # prompt
+                st.integers(1, 6),  # max_tokens
+                st.integers(1, 3),  # n
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    longest = max(len(p) + m for _, p, m, _ in requests)
+    # The pool always holds one sequence of the longest length, and sometimes little more.
+    num_blocks = -(-longest // block_size) + draw(st.integers(0, 8))
+    max_n = max(n for *_, n in requests)
+    sim = Sim(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=draw(st.integers(max_n, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 24)),
+        caching=draw(st.booleans()),
+    )
+    return sim, sorted(requests, key=lambda r: r[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(workload=workloads())
+def test_random_workloads_respect_every_limit_and_finish(workload: tuple[Sim, list[tuple[int, list[int], int, int]]]) -> None:
+    sim, requests = workload
+    pending = list(enumerate(requests))
+    while pending or sim.sched.has_unfinished():
+        assert sim.steps < 3000, "no progress"
+        while pending and pending[0][1][0] <= sim.steps:
+            i, (_, prompt, max_tokens, n) = pending.pop(0)
+            sim.add(f"g{i}", prompt, max_tokens, n)
+        sim.step()
+    sim.check_all_free()
+    # Every sequence of every group produced exactly max_tokens tokens.
+    assert sorted(r.request_id for r in sim.finished) == sorted(sim.max_tokens)
+    for req in sim.finished:
+        assert req.num_output_tokens == sim.max_tokens[req.request_id]
+        assert req.status == RequestStatus.FINISHED
+
+
+# ----------------------------------------------------------------- targeted behaviour
+
+
+def test_a_long_prompt_is_chunked_to_the_budget() -> None:
+    sim = Sim(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    req = sim.add("a", list(range(20)), max_tokens=2)
+    out = sim.step()
+    assert scheduled(out) == [("a", 8)] and sim.sampled == [False]
+    assert len(sim.kv.tables["a"]) == 2 and req.num_output_tokens == 0
+    out = sim.step()
+    assert scheduled(out) == [("a", 8)] and sim.sampled == [False]
+    out = sim.step()
+    assert scheduled(out) == [("a", 4)] and sim.sampled == [True]
+    assert req.num_output_tokens == 1 and len(sim.kv.tables["a"]) == 5
+    out = sim.step()
+    assert scheduled(out) == [("a", 1)]
+    sim.run_to_completion()
+    assert req.num_output_tokens == 2
+
+
+def test_running_requests_are_scheduled_before_waiting_ones() -> None:
+    sim = Sim(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=4)
+    sim.add("a", [1, 2, 3, 4], max_tokens=5)
+    assert scheduled(sim.step()) == [("a", 4)]
+    sim.add("b", list(range(10)), max_tokens=1)
+    # a's decode token comes first; b gets what is left of the budget.
+    assert scheduled(sim.step()) == [("a", 1), ("b", 3)]
+    assert scheduled(sim.step()) == [("a", 1), ("b", 3)]
+    assert scheduled(sim.step()) == [("a", 1), ("b", 3)]
+    assert scheduled(sim.step()) == [("a", 1), ("b", 1)]
+    sim.run_to_completion()
+
+
+def test_a_waiting_request_never_overtakes_the_head_of_the_queue() -> None:
+    sim = Sim(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    sim.add("a", list(range(8)), max_tokens=3)
+    assert scheduled(sim.step()) == [("a", 8)]
+    sim.add("b", list(range(100, 112)), max_tokens=1)  # 3 blocks: cannot fit while a runs
+    sim.add("c", [1, 2], max_tokens=1)  # 1 block: would fit, but b is ahead
+    out = sim.step()
+    assert scheduled(out) == [("a", 1)]
+    assert [r.request_id for r in sim.sched.waiting] == ["b", "c"]
+    assert sim.kv.pool.num_free == 1
+    sim.run_to_completion()
+    order = [r.request_id for r in sim.finished]
+    assert order.index("b") < order.index("c")
+
+
+def test_max_num_seqs_bounds_the_running_set() -> None:
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    for name in "abc":
+        sim.add(name, [1, 2, 3], max_tokens=2 if name == "a" else 4)
+    assert scheduled(sim.step()) == [("a", 3), ("b", 3)]
+    out = sim.step()  # a finishes here
+    assert scheduled(out) == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in sim.sched.running] == ["b"]
+    assert scheduled(sim.step()) == [("b", 1), ("c", 3)]
+    sim.run_to_completion()
+
+
+def test_forked_siblings_keep_their_reserved_seats() -> None:
+    """A request with n = 3 reserves 3 seats at admission; while its prompt is still being
+    chunked, a later request must not take one of them."""
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=4)
+    sim.add("p", list(range(10)), max_tokens=2, n=3)
+    sim.add("q", [1, 2], max_tokens=1)
+    for _ in range(3):
+        out = sim.step()
+        assert [s.request.request_id for s in out.scheduled] == ["p"]
+    # p's prompt is done and its siblings have forked: 3 sequences run, q still waits.
+    assert [r.request_id for r in sim.sched.running] == ["p", "p#1", "p#2"]
+    assert [r.request_id for r in sim.sched.waiting] == ["q"]
+    sim.run_to_completion()
+
+
+def test_preemption_evicts_the_most_recent_request_and_admits_nothing_that_step() -> None:
+    # Without prefix caching, so that b's readmission needs exactly one block.
+    sim = Sim(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=4, caching=False)
+    a = sim.add("a", [1, 2, 3, 4], max_tokens=8)
+    b = sim.add("b", [5, 6, 7, 8], max_tokens=8)
+    assert scheduled(sim.step()) == [("a", 4)]  # a: 1 block
+    assert scheduled(sim.step()) == [("a", 1), ("b", 3)]  # a: 2 blocks, b: 1 block
+    assert scheduled(sim.step()) == [("a", 1), ("b", 1)]
+    assert scheduled(sim.step()) == [("a", 1), ("b", 1)]  # b: 2 blocks, pool empty
+    assert scheduled(sim.step()) == [("a", 1), ("b", 1)]
+    assert sim.kv.pool.num_free == 0
+    assert (a.num_tokens, b.num_tokens) == (9, 7)
+    b_outputs = list(b.output_token_ids)
+
+    # a's 9th token needs a 3rd block: b, admitted last, is preempted to make room.
+    out = sim.step()
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert scheduled(out) == [("a", 1)]
+    assert sim.sched.num_preemptions == 1 and b.num_preemptions == 1
+    assert b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
+    assert b.output_token_ids == b_outputs  # its tokens are kept, only their K/V is recomputed
+    assert list(sim.sched.waiting) == [b]
+    # b's next 3-token chunk would fit in the free block, but nothing is admitted this step.
+    assert sim.kv.pool.num_free == 1
+    assert [r.request_id for r in sim.sched.running] == ["a"]
+
+    out = sim.step()
+    assert scheduled(out) == [("a", 1), ("b", 3)]
+    sim.run_to_completion()
+    assert b.output_token_ids[: len(b_outputs)] == b_outputs
+    assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_the_last_running_request_preempts_itself_when_nothing_is_left_to_free() -> None:
+    sim = Sim(num_blocks=3, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    a = sim.add("a", [1, 2], max_tokens=3)
+    b = sim.add("b", [3, 4], max_tokens=3)
+    assert scheduled(sim.step()) == [("a", 2), ("b", 2)]  # 1 block each, 1 left
+    # a takes the last block for its 3rd token; b then needs one and is itself the victim.
+    out = sim.step()
+    assert out.preempted == [b]
+    assert scheduled(out) == [("a", 1)]
+    assert list(sim.sched.waiting) == [b] and b.num_computed_tokens == 0
+    sim.run_to_completion()
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 3
+
+
+def test_prefix_cache_hits_are_counted_and_skip_computation() -> None:
+    sim = Sim(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(9))
+    sim.add("a", prompt, max_tokens=1)
+    sim.run_to_completion()
+    assert (sim.sched.prefix_cache_queries, sim.sched.prefix_cache_hits) == (9, 0)
+    b = sim.add("b", prompt, max_tokens=1)
+    out = sim.step()
+    # 2 full blocks come from the cache; only the last token is computed.
+    assert scheduled(out) == [("b", 1)]
+    assert b.num_cached_tokens == 8
+    assert (sim.sched.prefix_cache_queries, sim.sched.prefix_cache_hits) == (18, 8)
+    sim.run_to_completion()
