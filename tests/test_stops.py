@@ -32,10 +32,6 @@ class Run:
     def final(self) -> CompletionOutput:
         return self.outputs[-1]
 
-    @property
-    def streamed(self) -> str:
-        return "".join(o.text_delta for o in self.outputs)
-
 
 @pytest.fixture(scope="module", params=["qwen", "llama"])
 def tokenizer(request):
