@@ -55,8 +55,8 @@ def update_text(request: Request, seq: SequenceText, token_id: int) -> None:
     checked = len(seq.text)  # text before this token was already searched
     if not stopped_by_token:
         seq.text += seq.detokenizer.add(token_id)
-    if request.finish_reason is not None and not stopped_by_token:
-        seq.text += seq.detokenizer.flush()
+    if request.finish_reason is not None:
+        seq.text += seq.detokenizer.flush()  # an incomplete character held back, as decode shows it
     if not params.stop_strings or stopped_by_token:
         return
     # Only the new text, plus enough before it to catch a stop string spanning the boundary.

@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    if not args.prompt and not args.chat:
+        parser.error("give at least one --prompt or --chat")
     try:
-        llm = LLM(args.model, **_engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        llm = LLM(args.model, **_engine_kwargs(args))
         prompts: list[str | list[int]] = list(args.prompt)
         prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in args.chat]
-        if not prompts:
-            parser.error("give at least one --prompt or --chat")
         for output in llm.generate(prompts, params):
             shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
             print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
