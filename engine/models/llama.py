@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.models.rotary import RotaryEmbedding, rope_parameters
+from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 
@@ -50,14 +50,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rotary(positions, q, k)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -86,16 +86,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class ForwardContext:
     """What every layer needs for one step besides its input."""
 
-    def __init__(self, rotary, backend: AttentionBackend, kv_caches, meta: AttentionMetadata) -> None:
-        self.rotary = rotary
+    def __init__(self, cos_sin, backend: AttentionBackend, kv_caches, meta: AttentionMetadata) -> None:
+        self.cos, self.sin = cos_sin
         self.backend = backend
         self.kv_caches = kv_caches
         self.meta = meta
@@ -128,10 +128,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        ctx = ForwardContext(self.rotary, backend, kv_caches, meta)
+        ctx = ForwardContext(self.rotary.lookup(positions), backend, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ class AttentionMetadata:
     # Host copies: the torch backend plans its work from them without a device sync.
     query_lens: list[int]
     context_lens: list[int]
+    # Whatever a backend derives from this metadata once per step and reuses in every layer.
+    backend_plan: object | None = None
 
     @property
     def num_reqs(self) -> int:
