@@ -29,6 +29,18 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 
 
+def context_limit(hf_config) -> int:
+    """The longest context the model serves exactly. Attention here is always full, so a model
+    that uses sliding-window attention (Mistral, Qwen with use_sliding_window) is capped at its
+    window, where full and windowed attention agree."""
+    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    windowed = hf_config.model_type == "mistral" or bool(getattr(hf_config, "use_sliding_window", False))
+    if windowed and window:
+        limit = min(limit, int(window))
+    return limit
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -41,7 +53,7 @@ class LLMEngine:
         num_blocks = cache.num_kv_blocks or max(
             1, int(cache.kv_cache_memory_gib * 2**30) // kv_bytes_per_block(self.hf_config, cache.block_size, loaded.dtype)
         )
-        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        model_limit = context_limit(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit, num_blocks)
         self.block_size = cache.block_size
         backend = select_attention_backend(config.model.attention_backend, config.model.device)

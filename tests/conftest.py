@@ -14,6 +14,12 @@ def llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory) -> Path:
+    """Mistral: GQA 2:1, untied, Llama-2 tokenizer family (here the Llama-3.2 one)."""
+    return build_random_model(tmp_path_factory.mktemp("mistral"), "mistral", "llama")
+
+
+@pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     """Qwen2: q/k/v bias, tied embeddings, Qwen tokenizer."""
     return build_random_model(tmp_path_factory.mktemp("qwen2"), "qwen2", "qwen")

@@ -27,7 +27,7 @@ def tokenizer_dir(name: str) -> Path:
 
 
 def _config(arch: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -44,6 +44,8 @@ def _config(arch: str, vocab_size: int, **overrides):
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
         )
+    elif arch == "mistral":  # GQA 2:1, a sliding window wider than the context limit
+        cfg = MistralConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=2048)
     elif arch == "qwen2":  # qkv bias, tied
         cfg = Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     elif arch == "qwen3":  # q/k norm, explicit head_dim

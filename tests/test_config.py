@@ -134,3 +134,16 @@ def test_cli_invalid_flag(qwen2_dir: Path, capsys: pytest.CaptureFixture[str], f
 def test_cli_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_context_limit_caps_sliding_window_models() -> None:
+    """Attention is always full here, so a windowed model is served only up to its window."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from engine.llm_engine import context_limit
+
+    assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=128)) == 128
+    assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=None)) == 1024
+    # Qwen2 declares a window but uses it only with use_sliding_window.
+    assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=False)) == 1024
+    assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=True)) == 64

@@ -25,7 +25,7 @@ REGIMES = {
     # Everything at once, with small blocks: chunked, preempted and prefix-cached.
     "all": ({"max_num_batched_tokens": 24, "num_kv_blocks": 56, "block_size": 8, "max_model_len": 384}, "shared"),
 }
-MODELS = ["llama_dir", "qwen2_dir", "qwen3_dir", "default_model_dir"]
+MODELS = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "default_model_dir"]
 
 _oracle: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
 
