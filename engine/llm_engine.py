@@ -10,13 +10,13 @@ import time
 import torch
 
 from config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_input import build_model_input
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.kv_cache_manager import KVCacheManager
 from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, position_logprobs
