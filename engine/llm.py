@@ -35,9 +35,12 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for prompt, p in zip(prompts, params):
-            self.engine.validate(self.engine.tokenize(prompt), p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
+        for ids, p in zip(token_ids, params):
+            self.engine.validate(ids, p)
+        ids = [
+            self.engine.add_request(prompt, p, prompt_token_ids=t) for prompt, p, t in zip(prompts, params, token_ids)
+        ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

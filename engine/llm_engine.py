@@ -104,11 +104,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
+        """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
+        prompt is then not tokenized again)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize(prompt)
+        prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(prompt_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
         sequences = []

@@ -34,6 +34,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:  # JSON gives string keys: make them token ids here, not mid-step
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -58,6 +63,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty",
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
             (all(s for s in self.stop_strings), "stop", "stop strings must not be empty"),
+            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -315,3 +315,13 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(llm: LLM) -
     others_seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2, 3)]
     different = [out.outputs[0].token_ids for out in llm.generate([prompt] * 3, others_seeded)]
     assert any(tokens != alone for tokens in different)
+
+
+def test_logit_bias_keys_from_json_become_token_ids() -> None:
+    """OpenAI clients send logit_bias as a JSON object: string keys must work, garbage must not
+    reach the sampler."""
+    assert SamplingParams(logit_bias={"5": 2, 7: -1.5}).logit_bias == {5: 2.0, 7: -1.5}
+    for bad, param in (({"x": 1.0}, "logit_bias"), ({3: 101.0}, "logit_bias"), ({3: -100.5}, "logit_bias")):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(logit_bias=bad)
+        assert err.value.param == param
