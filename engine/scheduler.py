@@ -66,8 +66,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                scheduled.pop(victim.request_id, None)
+                victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -78,7 +77,7 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            budget = self._admit(budget, scheduled)
+            self._admit(budget, scheduled)
 
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [
@@ -87,12 +86,12 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def _admit(self, budget: int, scheduled: dict[str, int]) -> int:
+    def _admit(self, budget: int, scheduled: dict[str, int]) -> None:
         while self.waiting and budget > 0 and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs:
             request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            hits = self.kv.get_computed_blocks(request)  # a waiting request has nothing computed
             num_cached = len(hits) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -105,7 +104,6 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
-        return budget
 
     def _num_seqs_after_admitting(self, request: Request) -> int:
         # Forked siblings join the running set when the prompt completes: their seats stay
