@@ -153,7 +153,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        return make_output(group, group.sequences[0].prompt_logprobs)
+        return make_output(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -198,7 +198,7 @@ class LLMEngine:
 
         outputs = []
         for group in touched.values():
-            outputs.append(make_output(group, group.sequences[0].prompt_logprobs))
+            outputs.append(make_output(group))
             if group.finished:
                 del self.groups[group.request_id]
         return outputs

@@ -73,7 +73,7 @@ def update_text(request: Request, seq: SequenceText, token_id: int) -> None:
         request.finish_reason, request.stop_reason = "stop", stop
 
 
-def make_output(group: RequestGroup, prompt_logprobs) -> RequestOutput:
+def make_output(group: RequestGroup) -> RequestOutput:
     """The group's state now, with what is new since the previous output as deltas. While a
     sample runs, the last (longest stop string - 1) characters are held back: they may yet turn
     out to begin a stop string that must not be shown."""
@@ -104,5 +104,5 @@ def make_output(group: RequestGroup, prompt_logprobs) -> RequestOutput:
         prompt_token_ids=group.prompt_token_ids,
         outputs=outputs,
         finished=group.finished,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=group.sequences[0].prompt_logprobs,  # the sample that ran the prompt
     )

@@ -58,7 +58,7 @@ def generate(tokenizer, tokens: list[int], params: SamplingParams, max_model_len
         update_text(request, group.texts[0], token)
         if request.finish_reason is not None:
             request.status = RequestStatus.FINISHED  # what scheduler.finish does
-        outputs.append(make_output(group, None).outputs[0])
+        outputs.append(make_output(group).outputs[0])
         if request.is_finished:
             break
     assert request.is_finished, "ran out of tokens before a stop condition"

@@ -9,6 +9,7 @@ the same in every layer: they are planned once per step and kept on the metadata
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
 
 
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-    starts = meta.cu_seqlens_q.tolist()
+    starts = [0, *itertools.accumulate(meta.query_lens)]  # host lists: no device sync
     decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
     decode_rows = decode_slots = decode_mask = None
     if decode:
