@@ -2,7 +2,8 @@
 
 Hub downloads are impossible here, so models come from transformers' config classes with
 random weights, saved as Hugging Face folders (safetensors + the real tokenizer files), and
-the bundled SmolLM2 default model. transformers itself is the oracle.
+the bundled SmolLM2 default model. transformers itself is the oracle; `hf_greedy` runs it, and
+`finish_all` runs our engine to the end.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def build_random_model(folder: Path, arch: str, tokenizer: str, seed: int = 0, s
     model.save_pretrained(folder, max_shard_size="4MB" if shard else "10GB")
     tok.save_pretrained(folder)
     return folder
+
+
+def finish_all(engine) -> dict[str, list[int]]:
+    """Step an LLMEngine until nothing is left; each finished request's (first sample's) tokens."""
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -6,17 +6,9 @@ from pathlib import Path
 
 from config import EngineConfig
 from engine import LLMEngine, SamplingParams
+from tests.models import finish_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
-    return final
 
 
 def test_abort_frees_blocks_and_spares_other_requests(qwen2_dir: Path) -> None:
@@ -25,7 +17,7 @@ def test_abort_frees_blocks_and_spares_other_requests(qwen2_dir: Path) -> None:
     alone = {}
     for rid, prompt in prompts.items():
         engine.add_request(prompt, GREEDY, request_id=rid)
-        alone.update(run_to_end(engine))
+        alone.update(finish_all(engine))
 
     for rid, prompt in prompts.items():
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2 if rid == "b" else 1),
@@ -36,7 +28,7 @@ def test_abort_frees_blocks_and_spares_other_requests(qwen2_dir: Path) -> None:
     assert aborted is not None and aborted.finished
     assert [o.finish_reason for o in aborted.outputs] == ["abort", "abort"]
     assert engine.abort_request("b") is None  # unknown by now
-    final = run_to_end(engine)
+    final = finish_all(engine)
 
     assert set(final) == {"a", "c"}
     assert final["a"] == alone["a"] and final["c"] == alone["c"]

@@ -22,6 +22,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from tests.models import finish_all
 
 ALPHABET = st.integers(0, 2)  # few distinct tokens, so prefixes repeat and the cache hits
 
@@ -399,15 +400,6 @@ def prefill(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tup
     request_id = engine.add_request(prompt, params)
     engine.step()
     return request_id, list(engine.kv.tables[request_id])
-
-
-def finish_all(engine: LLMEngine) -> dict[str, list[int]]:
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens
 
 
 def prompt_kv(engine: LLMEngine, table: list[int], length: int) -> list[torch.Tensor]:
