@@ -7,5 +7,6 @@ from config.engine_config import (
     ModelConfig,
     SchedulerConfig,
 )
+from config.server_config import ServeConfig, ServerConfig
 
-__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServeConfig", "ServerConfig"]

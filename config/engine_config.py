@@ -35,22 +35,24 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    # None means the bundled default model (SmolLM2-135M-Instruct).
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: DType = "auto"
-    device: str = "cpu"
+    model: str | None = Field(None, description="local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+    tokenizer: str | None = Field(None, description="tokenizer folder, when it is not the model's")
+    dtype: DType = Field("auto", description="weight and activation dtype (auto: the model's, float32 on CPU)")
+    device: str = Field("cpu", description="torch device the model runs on")
     seed: int = Field(0, ge=0, description="seed of the sampler's generator for unseeded requests")
-    model_cache_dir: Path = Field(default_factory=default_cache_dir)
-    attention_backend: AttentionBackendName = "auto"
+    model_cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="where converted models are kept (default: $PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve)",
+    )
+    attention_backend: AttentionBackendName = Field("auto", description="attention kernel (auto: the best available)")
 
 
 class CacheConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block, a power of two")
     # Either a fixed number of blocks or a memory budget; the block count wins when both are set.
-    num_kv_blocks: int | None = Field(None, ge=1, le=10_000_000)
-    kv_cache_memory_gib: float = Field(1.0, gt=0, le=4096)
-    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = Field(None, ge=1, le=10_000_000, description="KV pool size in blocks (default: from --kv-cache-memory-gib)")
+    kv_cache_memory_gib: float = Field(1.0, gt=0, le=4096, description="KV pool budget in GiB when --num-kv-blocks is unset")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 
     @model_validator(mode="after")
     def _power_of_two(self) -> "CacheConfig":
@@ -62,10 +64,9 @@ class CacheConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    max_num_seqs: int = Field(64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(2048, ge=1, le=1_048_576)
-    # None means the model's own limit (max_position_embeddings).
-    max_model_len: int | None = Field(None, ge=2, le=10_000_000)
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1_048_576, description="token budget of one step")
+    max_model_len: int | None = Field(None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)")
 
 
 class EngineConfig(_Strict):
@@ -76,24 +77,7 @@ class EngineConfig(_Strict):
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
         """Build from flat flag-named keyword arguments, as `LLM(...)` and the CLI pass them."""
-        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
-        owners = {
-            name: section
-            for section, model in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
-            for name in model.model_fields
-        }
-        for key, value in kwargs.items():
-            if key not in owners:
-                known = ", ".join(sorted(owners))
-                raise ConfigError(f"unknown setting {key!r} ({flag(key)}); known settings: {known}")
-            sections[owners[key]][key] = value
-        built: dict[str, BaseModel] = {}
-        for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
-            try:
-                built[name] = section(**sections[name])
-            except ValidationError as exc:
-                raise ConfigError(describe(exc, section)) from None
-        return cls(**built)
+        return cls(**build_sections(ENGINE_SECTIONS, kwargs))
 
     def resolve_max_model_len(self, model_limit: int, num_blocks: int) -> int:
         """The context limit in force, checked against what the model and the KV pool can hold."""
@@ -110,6 +94,27 @@ class EngineConfig(_Strict):
                 f"least {-(-max_len // self.cache.block_size)} or lower {flag('max_model_len')}"
             )
         return max_len
+
+
+ENGINE_SECTIONS: dict[str, type[BaseModel]] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def build_sections(sections: dict[str, type[BaseModel]], kwargs: dict[str, object]) -> dict[str, BaseModel]:
+    """Route flat flag-named settings to the section that owns each, and validate every section."""
+    owners = {name: key for key, model in sections.items() for name in model.model_fields}
+    routed: dict[str, dict[str, object]] = {key: {} for key in sections}
+    for name, value in kwargs.items():
+        if name not in owners:
+            known = ", ".join(sorted(owners))
+            raise ConfigError(f"unknown setting {name!r} ({flag(name)}); known settings: {known}")
+        routed[owners[name]][name] = value
+    built: dict[str, BaseModel] = {}
+    for key, model in sections.items():
+        try:
+            built[key] = model(**routed[key])
+        except ValidationError as exc:
+            raise ConfigError(describe(exc, model)) from None
+    return built
 
 
 _BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}

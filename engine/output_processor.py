@@ -104,5 +104,6 @@ def make_output(group: RequestGroup) -> RequestOutput:
         prompt_token_ids=group.prompt_token_ids,
         outputs=outputs,
         finished=group.finished,
-        prompt_logprobs=group.sequences[0].prompt_logprobs,  # the sample that ran the prompt
+        # The sample that ran the prompt; a copy, since the engine thread goes on appending to it.
+        prompt_logprobs=list(group.sequences[0].prompt_logprobs) if group.sequences[0].prompt_logprobs is not None else None,
     )

@@ -1,62 +1,72 @@
-"""The `pagedserve` command line."""
+"""The `pagedserve` command line: `serve` (the OpenAI-compatible HTTP server) and `generate`
+(offline, from prompts on the command line). Settings come from flags, `PAGEDSERVE_*`
+environment variables and a YAML `--config` file, merged in `config.sources`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from config import ConfigError
+from config.engine_config import ENGINE_SECTIONS
+from config.sources import SERVE_SECTIONS, add_flags, merge, serve_config
 from engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 
-
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="local Hugging Face model folder (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-memory-gib)")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool budget when --num-kv-blocks is unset")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prefixes")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--model-cache-dir", default=None, help="where converted models live (env PAGEDSERVE_CACHE_DIR)")
-    parser.add_argument("--seed", type=int, default=0)
+MODEL_HELP = "local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
+CONFIG_HELP = "YAML file of settings keyed by flag name; flags and PAGEDSERVE_* variables override it"
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    names = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-             "kv_cache_memory_gib", "enable_prefix_caching", "dtype", "device", "attention_backend", "seed"]
-    kwargs: dict[str, object] = {name: getattr(args, name) for name in names}
-    if args.model_cache_dir:
-        kwargs["model_cache_dir"] = args.model_cache_dir
-    return kwargs
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Run the OpenAI-compatible HTTP server. Precedence: flag > environment > --config file > default.")
+    serve.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+    serve.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
+    add_flags(serve, SERVE_SECTIONS, skip=("model",))
+
     gen = sub.add_parser("generate", help="generate offline from prompts given on the command line")
-    _engine_flags(gen)
+    gen.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+    gen.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
+    add_flags(gen, ENGINE_SECTIONS, skip=("model",))
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--chat", action="append", default=[], help="a user message, rendered with the chat template (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return parser
 
-    if not args.prompt and not args.chat:
+
+def _generate(args: dict[str, object], parser: argparse.ArgumentParser) -> None:
+    prompts_given: list[str] = args.pop("prompt")  # type: ignore[assignment]
+    chats: list[str] = args.pop("chat")  # type: ignore[assignment]
+    params = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=args.pop("temperature"))  # type: ignore[arg-type]
+    if not prompts_given and not chats:
         parser.error("give at least one --prompt or --chat")
+    config_file = args.pop("config")
+    llm = LLM(**merge(args, os.environ, config_file, ENGINE_SECTIONS))  # type: ignore[arg-type]
+    prompts: list[str | list[int]] = list(prompts_given)
+    prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in chats]
+    for output in llm.generate(prompts, params):
+        shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
+        print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        llm = LLM(args.model, **_engine_kwargs(args))
-        prompts: list[str | list[int]] = list(args.prompt)
-        prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in args.chat]
-        for output in llm.generate(prompts, params):
-            shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
-            print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
+        if command == "serve":
+            from server.launch import serve  # the HTTP stack is only imported when it is used
+
+            config_file = args.pop("config")
+            serve(serve_config(args, os.environ, config_file))  # type: ignore[arg-type]
+        else:
+            _generate(args, parser)
     except (ConfigError, ModelLoadError, InvalidRequestError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2

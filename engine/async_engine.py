@@ -1,0 +1,192 @@
+"""The bridge between asyncio and the engine thread.
+
+`LLMEngine` is not thread-safe, so exactly one thread (the engine thread, the GPU thread on a GPU
+node) drives it. Requests and aborts cross to it on a thread-safe queue that it drains at the
+top of every iteration; each request's outputs come back to that request's own asyncio queue
+through `loop.call_soon_threadsafe`, so the event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (a failed step or shutdown): no request can be served."""
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: its asyncio queue, fed on its own event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def send(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_WAKE = object()  # put on the inbox to make an idle engine thread look at the stop flag
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
+        self._stopping = threading.Event()
+        # Taken by a caller that enqueues and by the thread when it dies, so no request can
+        # slip into the inbox after the thread's last look at it and then wait forever.
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._accepting = True  # False once the thread has taken its last look at the inbox
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._accepting and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still in flight end with finish_reason 'abort'."""
+        self._stopping.set()
+        self._inbox.put(_WAKE)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ----------------------------------------------------------------- asyncio side
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_token_ids: list[int],
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine makes them, the last one with `finished` set.
+        Leaving the iteration early (a client that went away) aborts the request."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if not self._accepting:
+                raise EngineDeadError(self.dead_reason())
+            self._inbox.put(_Add(request_id, prompt, prompt_token_ids, params, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already forgot this request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed: {type(self.error).__name__}: {self.error}"
+        return "the engine is not running"
+
+    # ----------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests() and not self._stopping.is_set():
+                    for output in self.engine.step():
+                        self._deliver(output)
+        except BaseException as exc:  # a failed step must fail every request, never hang one
+            log.exception("the engine step failed; failing every request in flight")
+            self.error = exc
+            self._close(EngineDeadError(self.dead_reason()))
+        else:
+            for request_id in list(self.engine.groups):
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver(output)
+            self._close(EngineDeadError("the engine has shut down"))
+
+    def _close(self, reason: EngineDeadError) -> None:
+        """Stop accepting, then fail whatever is still waiting: nothing can be left hanging."""
+        with self._lock:
+            self._accepting = False
+        while True:
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if isinstance(item, _Add):
+                item.sink.send(reason)
+        for sink in self._sinks.values():
+            sink.send(reason)
+        self._sinks.clear()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(item, _Add):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                output = self.engine.abort_request(item.request_id)
+                sink = self._sinks.pop(item.request_id, None)
+                if output is not None and sink is not None:
+                    sink.send(output)
+
+    def _add(self, item: _Add) -> None:
+        try:
+            self.engine.add_request(item.prompt, item.params, item.request_id, prompt_token_ids=item.prompt_token_ids)
+        except InvalidRequestError as exc:
+            item.sink.send(exc)
+            return
+        self._sinks[item.request_id] = item.sink
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if output.finished:
+            self._sinks.pop(output.request_id, None)
+        if sink is not None:
+            sink.send(output)

@@ -1,0 +1,114 @@
+"""The FastAPI application: routes, errors, auth and CORS around one AsyncEngine."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from config import ServerConfig
+from engine.async_engine import AsyncEngine
+from server.auth import APIKeyMiddleware
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import APIError, install_error_handlers
+from server.inputs import chat_messages, encode, render_chat
+from server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from server.state import ServerState
+
+
+def package_version() -> str:
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorRegistry | None = None) -> FastAPI:
+    """The app serves `engine`, which the caller starts and stops (one engine can back several apps)."""
+    state = ServerState.build(engine, config)
+    metrics_registry = registry or CollectorRegistry()
+    app = FastAPI(title="pagedserve", version=package_version())
+    app.state.server = state
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # Added last, so outermost: a CORS preflight is answered before the key is asked for.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )
+
+    def require_engine() -> None:
+        if not engine.is_alive:
+            raise APIError(503, "the engine is not running", type="service_unavailable")
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Completion | StreamingResponse:
+        require_engine()
+        return await create_completion(state, req, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> ChatCompletion | StreamingResponse:
+        require_engine()
+        return await create_chat_completion(state, req, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card(name) for name in state.model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return card(state.resolve_model(model_id))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return APIError(503, engine.dead_reason(), type="service_unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, object]:
+        state.resolve_model(req.model)
+        req.check()
+        if req.messages is not None:
+            ids = await state.off_loop(render_chat, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt)
+        else:
+            ids = await state.off_loop(encode, state.tokenizer, req.prompt or "", req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        state.resolve_model(req.model)
+        bad = [t for t in req.tokens if t >= state.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param="tokens")
+        return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,26 @@
+"""API-key check on /v1/*, as a plain ASGI middleware (so it never buffers a stream).
+/health, /metrics and the rest stay open for probes and scrapers."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.errors import APIError
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "Incorrect API key provided." if given else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
+                error = APIError(401, message, code="invalid_api_key")
+                await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: the conversation rendered with the model's chat template, then
+one engine request with n samples."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine import RequestOutput
+from engine.outputs import CompletionOutput
+from server.errors import as_api_error
+from server.inputs import chat_messages, render_chat, resolve_max_tokens, sampling_params
+from server.logprobs import chat_logprobs
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Delta,
+    Usage,
+)
+from server.state import ServerState
+from server.streaming import DONE, sse, until_disconnected
+
+
+def _usage(output: RequestOutput) -> Usage:
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> ChatCompletion | StreamingResponse:
+    model = state.resolve_model(req.model)
+    req.check()
+    messages = chat_messages(req.messages)
+    prompt_ids = await state.off_loop(render_chat, state.tokenizer, messages, req.add_generation_prompt)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages")
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, top_n)
+    state.engine.engine.validate(prompt_ids, params)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    stream = state.engine.generate(prompt_ids, params, response_id, prompt_ids)
+
+    def logprobs_of(c: CompletionOutput, token_ids: list[int], start: int) -> ChatLogprobs | None:
+        if top_n is None:
+            return None
+        positions = (c.logprobs or [])[start : start + len(token_ids)]
+        return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
+
+    if req.stream:
+        return StreamingResponse(_stream(req, stream, response_id, created, model, logprobs_of), media_type="text/event-stream")
+
+    async def collect() -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None and final.finished
+        return final
+
+    final = await until_disconnected(request, collect())
+    choices = [
+        ChatChoice(
+            index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs_of(c, c.token_ids, 0),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        )
+        for c in final.outputs
+    ]
+    return ChatCompletion(id=response_id, created=created, model=model, choices=choices, usage=_usage(final))
+
+
+LogprobsOf = Callable[[CompletionOutput, list[int], int], ChatLogprobs | None]
+
+
+async def _stream(
+    req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], response_id: str, created: int, model: str,
+    logprobs_of: LogprobsOf,
+) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, usage=usage), exclude)
+
+    finished: set[int] = set()
+    sent_tokens = [0] * req.n
+    try:
+        # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
+        for i in range(req.n):
+            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        final = None
+        async for output in stream:
+            final = output
+            for c in output.outputs:
+                if c.index in finished:
+                    continue  # a sibling's output repeats this finished sample: nothing is new
+                logprobs = logprobs_of(c, c.token_ids_delta, sent_tokens[c.index]) if c.token_ids_delta else None
+                sent_tokens[c.index] += len(c.token_ids_delta)
+                if not c.text_delta and logprobs is None and c.finish_reason is None:
+                    continue  # text held back (a partial character or stop string): nothing to show yet
+                delta = Delta(content=c.text_delta) if c.text_delta else Delta()
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        if include_usage and final is not None:
+            yield sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=_usage(final)))
+    except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
+        yield sse(as_api_error(exc).body())
+    yield DONE

@@ -1,0 +1,176 @@
+"""POST /v1/completions: one engine request per prompt; choices in prompt-major order
+(choice index = prompt index * n + sample index)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine import RequestOutput, SamplingParams
+from engine.outputs import CompletionOutput
+from server.errors import as_api_error, invalid
+from server.inputs import encode, resolve_max_tokens, sampling_params
+from server.logprobs import add_completion_logprobs
+from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from server.state import ServerState
+from server.streaming import DONE, merge, sse, until_disconnected
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams = field(init=False)
+
+
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    req.check()
+    raw = _split_prompts(req.prompt)
+    if not raw:
+        raise invalid("the prompt must not be empty", "prompt")
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            if not item:
+                raise invalid("the prompt must not be empty", "prompt")
+            prompts.append(_Prompt(item, await state.off_loop(encode, state.tokenizer, item)))
+        else:
+            prompts.append(_Prompt(None, list(item)))
+    logprobs = req.logprobs
+    for p in prompts:
+        max_tokens = resolve_max_tokens(req.max_tokens, len(p.token_ids), state.max_model_len, "prompt")
+        p.params = sampling_params(req, max_tokens, logprobs, prompt_logprobs=logprobs if req.echo else None)
+        state.engine.engine.validate(p.token_ids, p.params)  # 400 now, not an error later from the engine thread
+    return prompts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Completion | StreamingResponse:
+    model = state.resolve_model(req.model)
+    prompts = await _prepare(state, req)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    streams = [
+        state.engine.generate(p.text if p.text is not None else p.token_ids, p.params, f"{response_id}-{i}", p.token_ids)
+        for i, p in enumerate(prompts)
+    ]
+    writer = _ChoiceWriter(state, req, prompts)
+    if req.stream:
+        return StreamingResponse(_stream(writer, streams, response_id, created, model), media_type="text/event-stream")
+
+    async def collect() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in merge(streams):
+            finals[i] = output
+        return [finals[i] for i in range(len(prompts))]
+
+    finals = await until_disconnected(request, collect())
+    choices = [writer.full_choice(i, c, out) for i, out in enumerate(finals) for c in out.outputs]
+    return Completion(id=response_id, created=created, model=model, choices=choices, usage=writer.usage(finals))
+
+
+class _ChoiceWriter:
+    """Turns engine outputs into choices: echo, logprobs and their text offsets."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt]) -> None:
+        self.state = state
+        self.req = req
+        self.prompts = prompts
+        self.offsets: dict[int, int] = {}  # streaming: text offset reached by each choice
+        self.logprobs_sent: dict[int, int] = {}
+
+    def index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.req.n + sample_index
+
+    def _echo_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.state.tokenizer.decode(prompt.token_ids)
+
+    def _echo_logprobs(self, target: CompletionLogprobs, prompt_index: int, output: RequestOutput) -> int:
+        positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        return add_completion_logprobs(target, self.state.tokenizer, output.prompt_token_ids, positions, 0)
+
+    def full_choice(self, prompt_index: int, c: CompletionOutput, output: RequestOutput) -> CompletionChoice:
+        text = c.text
+        logprobs = None
+        offset = 0
+        if self.req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if self.req.echo:
+                offset = self._echo_logprobs(logprobs, prompt_index, output)
+            add_completion_logprobs(logprobs, self.state.tokenizer, c.token_ids, c.logprobs or [], offset)
+        if self.req.echo:
+            text = self._echo_text(prompt_index) + text
+        return CompletionChoice(
+            index=self.index(prompt_index, c.index), text=text, logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        )
+
+    def delta_choice(self, prompt_index: int, c: CompletionOutput, output: RequestOutput) -> CompletionChoice | None:
+        """What is new for this choice since its last chunk, or None if nothing is."""
+        index = self.index(prompt_index, c.index)
+        first = index not in self.offsets
+        text = c.text_delta
+        logprobs = None
+        offset = self.offsets.get(index, 0)
+        if self.req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if first and self.req.echo:
+                offset = self._echo_logprobs(logprobs, prompt_index, output)
+            sent = self.logprobs_sent.get(index, 0)
+            new = (c.logprobs or [])[sent:]
+            offset = add_completion_logprobs(logprobs, self.state.tokenizer, c.token_ids[sent:], new, offset)
+            self.logprobs_sent[index] = sent + len(new)
+        if first and self.req.echo:
+            text = self._echo_text(prompt_index) + text
+        self.offsets[index] = offset
+        if not text and not (logprobs and logprobs.tokens) and c.finish_reason is None:
+            return None
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def usage(self, finals: list[RequestOutput]) -> Usage:
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+async def _stream(
+    writer: _ChoiceWriter, streams: list[AsyncIterator[RequestOutput]], response_id: str, created: int, model: str
+) -> AsyncIterator[str]:
+    include_usage = bool(writer.req.stream_options and writer.req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+    finals: dict[int, RequestOutput] = {}
+    finished: set[int] = set()
+    try:
+        async for prompt_index, output in merge(streams):
+            for c in output.outputs:
+                index = writer.index(prompt_index, c.index)
+                if index in finished:
+                    continue  # a sibling's output repeats this finished sample: nothing is new
+                choice = writer.delta_choice(prompt_index, c, output)
+                if choice is None:
+                    continue
+                if c.finish_reason is not None:
+                    finished.add(index)
+                chunk = Completion(id=response_id, created=created, model=model, choices=[choice])
+                yield sse(chunk, exclude)
+            if output.finished:
+                finals[prompt_index] = output
+        if include_usage:
+            usage = writer.usage([finals[i] for i in range(len(writer.prompts))])
+            yield sse(Completion(id=response_id, created=created, model=model, choices=[], usage=usage))
+    except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
+        yield sse(as_api_error(exc).body())
+    yield DONE

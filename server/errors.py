@@ -1,0 +1,106 @@
+"""Every failure leaves the server as OpenAI's error object, with the status code the SDKs map
+to their exception classes: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import InvalidRequestError
+from engine.async_engine import EngineDeadError
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, dict[str, object]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+
+def engine_dead(exc: EngineDeadError) -> APIError:
+    return APIError(503, str(exc), type="service_unavailable")
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The error object for anything a request can fail with, in a response or mid-stream."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return invalid(str(exc), exc.param)
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first offending parameter."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members add their type names to the location; keep the field path only.
+    path = [p for p in loc if not any(ch in p for ch in "[]") and not p.startswith(("function-", "json-"))]
+    param = ".".join(path) or None
+    given = first.get("input")
+    shown = json.dumps(given)[:100] if isinstance(given, (int, float, str, bool)) or given is None else None
+    detail = f"{first['msg']}" + (f" (got {shown})" if shown is not None and param else "")
+    return invalid(f"{param}: {detail}" if param else detail, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, message, type=kind).response(dict(exc.headers or {}))
+
+    @app.exception_handler(APIError)
+    async def _on_api(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return as_api_error(exc).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return as_api_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return as_api_error(exc).response()

@@ -1,0 +1,88 @@
+"""From an OpenAI request to what the engine takes: token ids and SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine import SamplingParams
+from server.errors import invalid
+from server.protocol import ChatMessage, SamplingFields
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """OpenAI's defaults where the request is silent (temperature 1, top_p 1, no penalties)."""
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    return SamplingParams(
+        n=req.n,
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=req.top_k if req.top_k is not None else 0,
+        min_p=given(req.min_p, 0.0),
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        logit_bias=req.logit_bias,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    """The completion budget: what was asked, which must fit beside the prompt, or (unasked)
+    all the room the context has left."""
+    room = max_model_len - prompt_len
+    if requested is None and room >= 1:
+        return room
+    wanted = requested if requested is not None else 1
+    if prompt_len + wanted > max_model_len:
+        raise invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} for the completion). "
+            "Please reduce the length of the prompt or the completion.",
+            prompt_param if room < 1 else "max_tokens",
+        )
+    return wanted
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content a string (text parts joined), the
+    other fields of each message passed through."""
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"content part of type {part.type!r} is not supported: only text", f"messages.{i}.content.{j}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        fields = message.model_dump(exclude_none=True)
+        fields["content"] = content if content is not None else ""
+        rendered.append(fields)
+    return rendered
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the conversation under the model's chat template (runs off the event loop)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid("this model has no chat template: use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # a template's own raise_exception(), e.g. roles out of order
+        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+    # The template already holds the special tokens; do not add a second BOS.
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -1,0 +1,93 @@
+"""Server-sent events, fan-in of several engine requests, and client disconnects.
+
+A streaming client that goes away is noticed by Starlette's StreamingResponse (it listens for
+the disconnect and cancels the body). A non-streaming one is noticed by `until_disconnected`.
+Either way the cancellation reaches `AsyncEngine.generate`, whose exit aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    """One event, exactly `data: <json>\\n\\n` (JSON escapes newlines, so one line)."""
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json(exclude=exclude)
+    else:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"
+
+
+_END = object()
+
+
+async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of all iterators as they come, tagged with the iterator's index. Leaving early,
+    or a failure of one, cancels the others (which aborts their engine requests)."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    inbox: asyncio.Queue[tuple[int, object, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                inbox.put_nowait((index, item, None))
+        except Exception as exc:
+            inbox.put_nowait((index, _END, exc))
+        else:
+            inbox.put_nowait((index, _END, None))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await inbox.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                remaining -= 1
+                continue
+            yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    # After the body is read, the server's receive() only returns once the client is gone.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it (and raise ClientDisconnected) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()
