@@ -25,7 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (a failed step or shutdown): no request can be served."""
+    """The engine thread has stopped, so this request cannot be served. `failed` is true for a
+    request that was in flight when a step raised (the server's fault: HTTP 500); false when
+    the engine was already gone or shut down (unavailable: 503)."""
+
+    def __init__(self, message: str, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass
@@ -70,7 +76,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._accepting = True  # False once the thread has taken its last look at the inbox
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -79,18 +85,18 @@ class AsyncEngine:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._thread.start()
+        self.thread.start()
 
     @property
     def is_alive(self) -> bool:
-        return self._accepting and self._thread.is_alive()
+        return self._accepting and self.thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still in flight end with finish_reason 'abort'."""
         self._stopping.set()
         self._inbox.put(_WAKE)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
 
     # ----------------------------------------------------------------- asyncio side
 
@@ -138,7 +144,7 @@ class AsyncEngine:
         except BaseException as exc:  # a failed step must fail every request, never hang one
             log.exception("the engine step failed; failing every request in flight")
             self.error = exc
-            self._close(EngineDeadError(self.dead_reason()))
+            self._close(EngineDeadError(self.dead_reason(), failed=True))
         else:
             for request_id in list(self.engine.groups):
                 output = self.engine.abort_request(request_id)

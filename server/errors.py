@@ -45,6 +45,8 @@ def model_not_found(name: str) -> APIError:
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:
+    if exc.failed:
+        return APIError(500, str(exc), type="server_error")
     return APIError(503, str(exc), type="service_unavailable")
 
 

@@ -38,3 +38,50 @@ def default_model_dir() -> Path:
     from engine.default_model import default_model_dir as convert
 
     return convert(default_cache_dir())
+
+
+# --------------------------------------------------------------------------- servers
+
+SERVER_SETTINGS = {"num_kv_blocks": 1024, "max_num_seqs": 64}  # the default model, a 16k-token pool
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model_dir: Path):
+    """One engine thread on the default model, shared by the server fixtures below."""
+    from tests.server_harness import start_engine
+
+    engine = start_engine(model=str(default_model_dir), **SERVER_SETTINGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(default_engine):
+    """The default model served over real HTTP on 127.0.0.1, no API key."""
+    from config import ServerConfig
+    from tests.server_harness import RunningServer
+
+    running = RunningServer(default_engine, ServerConfig(served_model_name=["SmolLM2-135M-Instruct", "smol"]))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(default_engine):
+    """The same engine behind a second app that requires an API key, with one CORS origin."""
+    from config import ServerConfig
+    from tests.server_harness import RunningServer
+
+    config = ServerConfig(api_key="sk-test-key", allowed_origins=["http://dashboard.example"])
+    running = RunningServer(default_engine, config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    """The official OpenAI client pointed at the test server."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

@@ -1,0 +1,96 @@
+"""Offline reference for the serving load: the same prompts and lengths through `LLM.generate`.
+
+`serve_load.py` measures a server; this runs the identical workload (same token ids, same output
+lengths, greedy, EOS ignored) in-process with pagedserve's offline API, so that
+
+    frontend overhead ratio = server output tok/s / offline output tok/s
+
+tells how much the HTTP frontend, streaming and the engine thread hand-off cost. Give the engine
+the server's settings; `--max-num-seqs` equal to the load's concurrency makes the offline run
+keep as many sequences in flight as the closed loop does.
+
+    python bench/offline_same_workload.py [MODEL_DIR] [--num-requests 64] [--input-len 128]
+        [--output-len 64] [--max-num-seqs 16] [--out offline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_load, when imported from elsewhere
+
+from serve_load import WorkItem, add_workload_args, make_workload  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, object]:
+    """Only the settings given: the rest keep the engine's defaults."""
+    names = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+             "kv_cache_memory_gib", "dtype"]
+    settings: dict[str, object] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    settings["enable_prefix_caching"] = args.enable_prefix_caching
+    return settings
+
+
+def run_offline(llm: LLM, workload: list[WorkItem], warmup: bool = True) -> dict:
+    """Generate the whole workload at once and time it; output tokens/s counts the asked-for tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=item.output_len, ignore_eos=True) for item in workload]
+    prompts = [item.prompt_ids for item in workload]
+    if warmup:  # first-call allocation and kernel selection are not throughput (the load warms up too)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "duration_s": seconds,
+        "completed": len(outputs),
+        "input_tokens": sum(len(p) for p in prompts),
+        "output_tokens": produced,
+        "length_mismatches": sum(1 for o, item in zip(outputs, workload) if len(o.outputs[0].token_ids) != item.output_len),
+        "request_throughput": len(outputs) / seconds,
+        "output_throughput": produced / seconds,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled SmolLM2-135M-Instruct)")
+    add_workload_args(parser)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="match the load's --concurrency")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    parser.add_argument("--dtype", default=None)
+    # Random prompts share no prefix, so caching changes nothing but bookkeeping; keep it like the server's.
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None, help="write the report as JSON")
+    args = parser.parse_args()
+
+    workload = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio,
+                             args.vocab_size, args.seed)
+    settings = engine_settings(args)
+    llm = LLM(args.model, **settings)
+    report = run_offline(llm, workload)
+    report["config"] = {"model": str(llm.engine.model_path), "num_requests": args.num_requests,
+                        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+                        "vocab_size": args.vocab_size, "seed": args.seed, "engine": settings}
+    print(f"== offline LLM.generate | {llm.engine.model_path.name} | {report['completed']} requests | "
+          f"in {args.input_len} out {args.output_len} (range {args.range_ratio:g}) | {settings}")
+    print(f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s | "
+          f"{report['output_throughput']:.1f} output tok/s | length mismatches {report['length_mismatches']}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""A real server for tests: uvicorn on 127.0.0.1 at a free port, in a background thread of the
+test process, so that tests can also look inside the engine (running and waiting requests,
+free KV blocks) after talking to it over real HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from config import EngineConfig, ServerConfig
+from engine.async_engine import AsyncEngine
+from server.app import create_app
+
+
+class RunningServer:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.app = create_app(engine, config)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert self._thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+@dataclass
+class EngineState:
+    running: int
+    waiting: int
+    free_blocks: int
+    num_blocks: int
+    groups: int
+
+
+def engine_state(engine: AsyncEngine) -> EngineState:
+    inner = engine.engine
+    pool = inner.kv.pool
+    return EngineState(len(inner.scheduler.running), len(inner.scheduler.waiting), pool.num_free, pool.num_blocks, len(inner.groups))
+
+
+def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> EngineState:
+    """The engine state once no request is left in it (aborts land at the next step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine_state(engine)
+        if (state.running, state.waiting, state.groups) == (0, 0, 0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def start_engine(**settings: object) -> AsyncEngine:
+    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(**settings))
+    engine.start()
+    return engine

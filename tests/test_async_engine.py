@@ -1,0 +1,141 @@
+"""The engine thread and its asyncio bridge: outputs reach each request's own queue, leaving
+early aborts, a bad request fails alone, a failed step fails everyone (no hang), shutdown
+aborts what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from config import EngineConfig
+from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from engine.async_engine import AsyncEngine, EngineDeadError
+from tests.models import finish_all
+from tests.server_harness import start_engine, wait_until_idle
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(6)]
+
+
+def _settings(folder: Path) -> dict[str, object]:
+    return {"model": str(folder), "num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_model_len": 256}
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, request_id, prompt)]
+
+
+def test_concurrent_requests_get_their_own_tokens(llama_dir: Path) -> None:
+    offline = LLMEngine(EngineConfig.from_kwargs(**_settings(llama_dir)))
+    for i, prompt in enumerate(PROMPTS):
+        offline.add_request(prompt, GREEDY, request_id=str(i))
+    expected = finish_all(offline)
+
+    engine = start_engine(**_settings(llama_dir))
+    try:
+        async def main() -> list[list[RequestOutput]]:
+            return await asyncio.gather(*(_collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS)))
+
+        results = asyncio.run(main())
+        for i, outputs in enumerate(results):
+            assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+            assert outputs[-1].outputs[0].token_ids == expected[str(i)]
+            # The deltas add up to the whole: nothing lost or repeated on the way across.
+            assert [t for o in outputs for t in o.outputs[0].token_ids_delta] == expected[str(i)]
+        state = wait_until_idle(engine)
+        assert state.free_blocks == state.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_early_aborts_and_frees_blocks(llama_dir: Path) -> None:
+    engine = start_engine(**_settings(llama_dir))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    try:
+        async def main() -> None:
+            stream = engine.generate(PROMPTS[0], long, "early", PROMPTS[0])
+            first = await stream.__anext__()
+            assert not first.finished
+            await stream.aclose()  # what a disconnecting client's cancellation amounts to
+
+        asyncio.run(main())
+        state = wait_until_idle(engine)
+        assert (state.running, state.waiting, state.groups) == (0, 0, 0)
+        assert state.free_blocks == state.num_blocks
+        # The engine goes on serving.
+        outputs = asyncio.run(_collect(engine, PROMPTS[1], GREEDY, "after"))
+        assert outputs[-1].outputs[0].finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+def test_bad_request_fails_alone(llama_dir: Path) -> None:
+    engine = start_engine(**_settings(llama_dir))
+    try:
+        async def main() -> None:
+            with pytest.raises(InvalidRequestError):
+                await _collect(engine, [10**9], GREEDY, "bad")  # outside the vocabulary
+            good = await _collect(engine, PROMPTS[2], GREEDY, "good")
+            assert good[-1].finished
+
+        asyncio.run(main())
+        assert engine.is_alive
+    finally:
+        engine.shutdown()
+
+
+def test_failed_step_fails_every_request_and_later_ones(llama_dir: Path) -> None:
+    engine = start_engine(**_settings(llama_dir))
+    inner = engine.engine
+    real_step = inner.step
+    calls = {"n": 0}
+
+    def faulty_step() -> list[RequestOutput]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    inner.step = faulty_step  # type: ignore[method-assign]
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main() -> list[object]:
+        return await asyncio.gather(
+            *(_collect(engine, p, long, f"f{i}") for i, p in enumerate(PROMPTS[:3])), return_exceptions=True
+        )
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert all(isinstance(r, EngineDeadError) and r.failed for r in results), results
+    assert "injected fault" in str(results[0])
+    assert not engine.is_alive and isinstance(engine.error, RuntimeError)
+
+    async def later() -> None:
+        with pytest.raises(EngineDeadError) as info:
+            await _collect(engine, PROMPTS[0], GREEDY, "later")
+        assert not info.value.failed
+
+    asyncio.run(asyncio.wait_for(later(), 10))
+
+
+def test_shutdown_aborts_requests_in_flight(llama_dir: Path) -> None:
+    engine = start_engine(**_settings(llama_dir))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> RequestOutput:
+        stream = engine.generate(PROMPTS[0], long, "inflight", PROMPTS[0])
+        await stream.__anext__()  # running now
+        threading.Thread(target=engine.shutdown).start()
+        last = None
+        async for out in stream:
+            last = out
+        assert last is not None
+        return last
+
+    last = asyncio.run(asyncio.wait_for(main(), 60))
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    engine.shutdown()
+    assert not engine.is_alive and engine.error is None
+    assert not engine.thread.is_alive()
