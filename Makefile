@@ -1,13 +1,15 @@
-# Two entry points: `make run` (install, then generate from the default model) and
+# Two entry points: `make run` (install, then serve the default model on port 8000) and
 # `make test` (install, then the whole test suite). Both set up .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch; on a GPU node: make run TORCH=torch
 TORCH ?= torch==2.13.0
 PROMPT ?= Explain in one sentence what a KV cache is.
+# Extra flags for `make run`, e.g. SERVE_FLAGS="--port 9000 --api-key sk-local"
+SERVE_FLAGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench
+.PHONY: install run generate test bench
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +23,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 run: install
+	$(BIN)/pagedserve serve --host 127.0.0.1 --port 8000 $(SERVE_FLAGS)
+
+generate: install
 	$(BIN)/pagedserve generate --chat "$(PROMPT)"
 
 test: install

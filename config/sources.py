@@ -53,7 +53,7 @@ def add_flags(parser: argparse.ArgumentParser, sections: Mapping[str, type[BaseM
         default = info.default
         shown = "none" if default is None else ",".join(default) if isinstance(default, list) else default
         # A computed default is described in the field's own text; a secret's is not shown.
-        quiet = info.default_factory is not None or info.repr is False
+        quiet = info.default_factory is not None or info.repr is False or default is None
         kwargs["help"] = f"{info.description} [env {ENV_PREFIX}{name.upper()}" + ("" if quiet else f"; default: {shown}") + "]"
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

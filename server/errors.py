@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,14 +62,47 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
 
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """A union member's name in an error location ('str', 'list[str]', 'constrained-int',
+    'TextPart'), never a field name: those are snake_case identifiers or list indexes."""
+    if not isinstance(part, str):
+        return False
+    return part in _SCALAR_TAGS or any(ch in part for ch in "[]-") or part[:1].isupper()
+
+
+def _union_prefix(loc: tuple[object, ...]) -> tuple[object, ...] | None:
+    for i, part in enumerate(loc):
+        if _is_union_tag(part):
+            return loc[:i]
+    return None
+
+
+def _pick(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report. A union reports one error per member; the member that took the
+    value's type and refused its value (a negative token id, a fifth stop string) says more
+    than the members that could not take its type at all."""
+    first = errors[0]
+    prefix = _union_prefix(tuple(first.get("loc", ())))
+    if prefix is None:
+        return first
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        wrong_type = str(error.get("type", "")).endswith(("_type", "_parsing"))
+        if _union_prefix(loc) == prefix and not wrong_type:
+            return error
+    return first
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """FastAPI's 422 becomes OpenAI's 400, naming the first offending parameter."""
-    first = exc.errors()[0]
+    first = _pick(list(exc.errors()))
     if first.get("type") == "json_invalid":
         return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type names to the location; keep the field path only.
-    path = [p for p in loc if not any(ch in p for ch in "[]") and not p.startswith(("function-", "json-"))]
+    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(path) or None
     given = first.get("input")
     shown = json.dumps(given)[:100] if isinstance(given, (int, float, str, bool)) or given is None else None

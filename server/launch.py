@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+from types import FrameType
 
 import uvicorn
 
@@ -13,7 +15,15 @@ from server.app import create_app
 log = logging.getLogger(__name__)
 
 
+def _stopped_by_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def serve(config: ServeConfig) -> None:
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # it found at start. Finding this one, a requested stop ends with status 0, engine joined.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stopped_by_signal)
     engine = AsyncEngine.from_config(config.engine)
     engine.start()
     try:
