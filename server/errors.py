@@ -82,18 +82,19 @@ def _union_prefix(loc: tuple[object, ...]) -> tuple[object, ...] | None:
 
 def _pick(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """The error to report. A union reports one error per member; the member that took the
-    value's type and refused its value (a negative token id, a fifth stop string) says more
-    than the members that could not take its type at all."""
+    value's type and refused its value (a negative token id, a fifth stop string) says the
+    most, then the member that got deepest into the value (the one bad item of a list)."""
     first = errors[0]
     prefix = _union_prefix(tuple(first.get("loc", ())))
     if prefix is None:
         return first
-    for error in errors:
-        loc = tuple(error.get("loc", ()))
+
+    def rank(error: dict[str, Any]) -> tuple[bool, int]:
         wrong_type = str(error.get("type", "")).endswith(("_type", "_parsing"))
-        if _union_prefix(loc) == prefix and not wrong_type:
-            return error
-    return first
+        return (not wrong_type, len(error.get("loc", ())))
+
+    # max() keeps the first of equals: pydantic lists the members in the order declared.
+    return max((e for e in errors if _union_prefix(tuple(e.get("loc", ()))) == prefix), key=rank)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from config import ConfigError
-from config.sources import SERVE_SECTIONS, serve_config
 from config.engine_config import flag
+from config.sources import SERVE_SECTIONS, serve_config
 from server import cli
 
 ROOT = Path(__file__).resolve().parent.parent
