@@ -50,7 +50,9 @@ class ModelConfig(_Strict):
 class CacheConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block, a power of two")
     # Either a fixed number of blocks or a memory budget; the block count wins when both are set.
-    num_kv_blocks: int | None = Field(None, ge=1, le=10_000_000, description="KV pool size in blocks (default: from --kv-cache-memory-gib)")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, le=10_000_000, description="KV pool size in blocks (default: from --kv-cache-memory-gib)"
+    )
     kv_cache_memory_gib: float = Field(1.0, gt=0, le=4096, description="KV pool budget in GiB when --num-kv-blocks is unset")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 

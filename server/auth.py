@@ -19,7 +19,9 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                message = "Incorrect API key provided." if given else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
+                message = (
+                    "Incorrect API key provided." if given else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
+                )
                 error = APIError(401, message, code="invalid_api_key")
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return

@@ -31,12 +31,12 @@ from server.streaming import DONE, sse, until_disconnected
 
 
 def _usage(output: RequestOutput) -> Usage:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    return Usage.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> ChatCompletion | StreamingResponse:
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, request: Request
+) -> ChatCompletion | StreamingResponse:
     model = state.resolve_model(req.model)
     req.check()
     messages = chat_messages(req.messages)
@@ -109,9 +109,12 @@ async def _stream(
                 delta = Delta(content=c.text_delta) if c.text_delta else Delta()
                 if c.finish_reason is not None:
                     finished.add(c.index)
-                yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                choice = ChatChunkChoice(
+                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                )
+                yield chunk([choice])
         if include_usage and final is not None:
-            yield sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=_usage(final)))
+            yield chunk([], _usage(final))
     except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse(as_api_error(exc).body())
     yield DONE

@@ -22,16 +22,16 @@ CONFIG_HELP = "YAML file of settings keyed by flag name; flags and PAGEDSERVE_* 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           description="Run the OpenAI-compatible HTTP server. Precedence: flag > environment > --config file > default.")
-    serve.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
-    serve.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
-    add_flags(serve, SERVE_SECTIONS, skip=("model",))
-
-    gen = sub.add_parser("generate", help="generate offline from prompts given on the command line")
-    gen.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
-    gen.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
-    add_flags(gen, ENGINE_SECTIONS, skip=("model",))
+    precedence = "Settings: flag > PAGEDSERVE_* environment variable > --config file > default."
+    for name, what, sections in (
+        ("serve", "run the OpenAI-compatible HTTP server", SERVE_SECTIONS),
+        ("generate", "generate offline from prompts given on the command line", ENGINE_SECTIONS),
+    ):
+        command = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}. {precedence}")
+        command.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+        command.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
+        add_flags(command, sections, skip=("model",))
+    gen = sub.choices["generate"]
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--chat", action="append", default=[], help="a user message, rendered with the chat template (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -138,12 +138,14 @@ class _ChoiceWriter:
         self.offsets[index] = offset
         if not text and not (logprobs and logprobs.tokens) and c.finish_reason is None:
             return None
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+        )
 
     def usage(self, finals: list[RequestOutput]) -> Usage:
+        # A prompt counts once however many samples it has, as OpenAI counts it.
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return Usage.of(prompt_tokens, sum(len(c.token_ids) for out in finals for c in out.outputs))
 
 
 async def _stream(

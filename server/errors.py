@@ -129,13 +129,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_api(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    @app.exception_handler(InvalidRequestError)
-    async def _on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+    async def _on_engine(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
 
-    @app.exception_handler(EngineDeadError)
-    async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return as_api_error(exc).response()
+    for kind in (InvalidRequestError, EngineDeadError):
+        app.add_exception_handler(kind, _on_engine)
 
     @app.exception_handler(Exception)
     async def _on_bug(request: Request, exc: Exception) -> JSONResponse:

@@ -9,7 +9,9 @@ from server.errors import invalid
 from server.protocol import ChatMessage, SamplingFields
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """OpenAI's defaults where the request is silent (temperature 1, top_p 1, no penalties)."""
     def given(value: float | None, default: float) -> float:
         return default if value is None else value

@@ -120,6 +120,10 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)

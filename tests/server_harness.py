@@ -50,7 +50,8 @@ class EngineState:
 def engine_state(engine: AsyncEngine) -> EngineState:
     inner = engine.engine
     pool = inner.kv.pool
-    return EngineState(len(inner.scheduler.running), len(inner.scheduler.waiting), pool.num_free, pool.num_blocks, len(inner.groups))
+    scheduler = inner.scheduler
+    return EngineState(len(scheduler.running), len(scheduler.waiting), pool.num_free, pool.num_blocks, len(inner.groups))
 
 
 def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> EngineState:
