@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_load, when imported from elsewhere
 
-from serve_load import WorkItem, add_workload_args, make_workload  # noqa: E402
+from serve_load import WorkItem, add_workload_args, make_workload, warmup_workload
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, object]:
@@ -37,12 +37,17 @@ def engine_settings(args: argparse.Namespace) -> dict[str, object]:
     return settings
 
 
-def run_offline(llm: LLM, workload: list[WorkItem], warmup: bool = True) -> dict:
-    """Generate the whole workload at once and time it; output tokens/s counts the asked-for tokens."""
+def run_offline(llm: LLM, workload: list[WorkItem], warmup: list[WorkItem] | None = None) -> dict:
+    """Generate the whole workload at once and time it; output tokens/s counts the asked-for tokens.
+
+    `warmup` runs first, unmeasured (first-call allocation and kernel selection are not
+    throughput; the serving load warms up the same way, with the same prompts).
+    """
     params = [SamplingParams(temperature=0, max_tokens=item.output_len, ignore_eos=True) for item in workload]
     prompts = [item.prompt_ids for item in workload]
-    if warmup:  # first-call allocation and kernel selection are not throughput (the load warms up too)
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    if warmup:
+        llm.generate([w.prompt_ids for w in warmup],
+                     [SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True) for w in warmup])
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -78,7 +83,7 @@ def main() -> int:
                              args.vocab_size, args.seed)
     settings = engine_settings(args)
     llm = LLM(args.model, **settings)
-    report = run_offline(llm, workload)
+    report = run_offline(llm, workload, warmup_workload(1, args.input_len, args.vocab_size, args.seed))
     report["config"] = {"model": str(llm.engine.model_path), "num_requests": args.num_requests,
                         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
                         "vocab_size": args.vocab_size, "seed": args.seed, "engine": settings}

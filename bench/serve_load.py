@@ -66,7 +66,7 @@ def make_workload(
     output_len: int,
     range_ratio: float = 0.0,
     vocab_size: int = 49152,
-    seed: int = 0,
+    seed: int | str = 0,
 ) -> list[WorkItem]:
     """Prompts of random token ids and their output lengths, the same for the same arguments.
 
@@ -79,7 +79,7 @@ def make_workload(
     rng = random.Random(seed)
 
     def length(center: int) -> int:
-        low, high = int(center * (1 - range_ratio)), int(math.ceil(center * (1 + range_ratio)))
+        low, high = int(center * (1 - range_ratio)), math.ceil(center * (1 + range_ratio))
         return max(1, rng.randint(low, high))
 
     items = []
@@ -87,6 +87,12 @@ def make_workload(
         n_in, n_out = length(input_len), length(output_len)
         items.append(WorkItem([rng.randint(LOW_TOKEN_ID, vocab_size - 1) for _ in range(n_in)], n_out))
     return items
+
+
+def warmup_workload(count: int, input_len: int, vocab_size: int, seed: int) -> list[WorkItem]:
+    """Short requests with prompts of their own: reusing a measured prompt would let a server's
+    prefix cache skip that request's prefill in the measured run."""
+    return make_workload(count, input_len, 4, 0.0, vocab_size, f"warmup-{seed}")
 
 
 def arrival_delays(count: int, request_rate: float, seed: int) -> list[float]:
@@ -104,7 +110,7 @@ def percentile(values: list[float], q: float) -> float:
     if not ordered:
         return float("nan")
     pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
@@ -221,8 +227,7 @@ async def run_load(
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits) as client:
         model = model or await first_model_id(client, base_url)
         # Warm-up requests are not measured: first-call allocation and kernel selection are not load.
-        for i in range(warmup):
-            probe = WorkItem(workload[i % len(workload)].prompt_ids, min(4, output_len))
+        for probe in warmup_workload(warmup, input_len, vocab_size, seed):
             await send_one(client, url, model, -1, probe, request_timeout)
 
         gate = asyncio.Semaphore(in_flight)
@@ -309,11 +314,11 @@ def format_report(report: dict, title: str = "") -> str:
     if not math.isinf(c["request_rate"]):
         mode += f", Poisson {c['request_rate']:g} req/s"
     lines = [
-        f"== {title or c['base_url']} | {c['model']} | {report['completed']}/{c['num_requests']} ok | {mode} "
-        f"| in {c['input_len']} out {c['output_len']} (range {c['range_ratio']:g})",
-        f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s "
-        f"| {report['output_throughput']:.1f} output tok/s | failed {report['failed']} "
-        f"| length mismatches {report['length_mismatches']}",
+        (f"== {title or c['base_url']} | {c['model']} | {report['completed']}/{c['num_requests']} ok | {mode} "
+         f"| in {c['input_len']} out {c['output_len']} (range {c['range_ratio']:g})"),
+        (f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s "
+         f"| {report['output_throughput']:.1f} output tok/s | failed {report['failed']} "
+         f"| length mismatches {report['length_mismatches']}"),
         f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for name in ("ttft", "itl", "tpot", "e2e"):
