@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from config import EngineConfig
@@ -20,6 +20,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._accepting = True  # False once the thread has taken its last look at the inbox
+        # Called on the engine thread after every iteration, idle ones included (metrics).
+        self.on_stats: Callable[[EngineStats], None] | None = None
         self.thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
 
     @classmethod
@@ -138,9 +141,14 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                outputs = []
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
-                    for output in self.engine.step():
-                        self._deliver(output)
+                    outputs = self.engine.step()
+                # Metrics first: a client that has its answer finds it counted at /metrics.
+                if self.on_stats is not None:
+                    self.on_stats(self.engine.take_stats())
+                for output in outputs:
+                    self._deliver(output)
         except BaseException as exc:  # a failed step must fail every request, never hang one
             log.exception("the engine step failed; failing every request in flight")
             self.error = exc

@@ -22,6 +22,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, FinishedRequest
 from kernels.attention import select_attention_backend
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class LLMEngine:
         self.sampler = Sampler(config.model.seed)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._counted = (0, 0, 0)  # scheduler counters at the previous take_stats()
 
     # ----------------------------------------------------------------- requests in
 
@@ -139,6 +142,7 @@ class LLMEngine:
             prompt_ids,
             sequences,
             [SequenceText(IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)) for _ in sequences],
+            arrival_time=arrival,
         )
         self.groups[request_id] = group
         self.scheduler.add(sequences[0])
@@ -153,6 +157,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        self._record_finish(group, time.time())
         return make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -164,6 +169,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        now = time.time()
+        self._stats.iteration_tokens.append(sum(s.num_new_tokens for s in out.scheduled))
+        for s in out.scheduled:
+            group = self.groups[s.request.group_id]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
         inp = build_model_input(out, self.block_size, self.runner.device)
         logits = self.runner.execute(inp)
 
@@ -185,7 +196,10 @@ class LLMEngine:
             return []
 
         touched: dict[str, RequestGroup] = {}
-        for request, sample in zip(to_sample, self.sampler(torch.stack(rows), to_sample)):
+        samples = self.sampler(torch.stack(rows), to_sample)
+        now = time.time()
+        for request, sample in zip(to_sample, samples):
+            self._record_token(request, now)
             request.append_token(sample.token_id)
             if request.logprobs is not None:
                 request.logprobs.append(sample.logprobs)
@@ -200,8 +214,51 @@ class LLMEngine:
         for group in touched.values():
             outputs.append(make_output(group))
             if group.finished:
+                self._record_finish(group, now)
                 del self.groups[group.request_id]
         return outputs
+
+    # ----------------------------------------------------------------- statistics
+
+    def _record_token(self, request: Request, now: float) -> None:
+        stats = self._stats
+        group = self.groups[request.group_id]
+        stats.generation_tokens += 1
+        if group.first_token_time is None:
+            group.first_token_time = now
+            stats.time_to_first_token.append(now - group.arrival_time)
+            stats.prompt_tokens += len(group.prompt_token_ids)
+        elif request.last_token_time is not None:  # a fork's first token is not a gap
+            stats.inter_token_latency.append(now - request.last_token_time)
+        request.last_token_time = now
+
+    def _record_finish(self, group: RequestGroup, now: float) -> None:
+        first_token, scheduled = group.first_token_time, group.first_scheduled_time
+        self._stats.finished.append(
+            FinishedRequest(
+                finish_reason=group.sequences[0].finish_reason or "abort",
+                num_prompt_tokens=len(group.prompt_token_ids),
+                num_generation_tokens=sum(seq.num_output_tokens for seq in group.sequences),
+                e2e_latency=now - group.arrival_time,
+                queue_time=None if scheduled is None else scheduled - group.arrival_time,
+                prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,
+                decode_time=None if first_token is None else now - first_token,
+            )
+        )
+
+    def take_stats(self) -> EngineStats:
+        """What happened since the previous call, with the running/waiting/KV state now."""
+        stats, self._stats = self._stats, EngineStats()
+        scheduler = self.scheduler
+        counters = (scheduler.num_preemptions, scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
+        stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = (
+            current - before for current, before in zip(counters, self._counted)
+        )
+        self._counted = counters
+        stats.num_running = len(scheduler.running)
+        stats.num_waiting = len(scheduler.waiting)
+        stats.kv_cache_usage = self.kv.usage()
+        return stats
 
     def _record_prompt_logprobs(self, request: Request, rows: torch.Tensor) -> None:
         """Row j of this chunk sits at position p = num_computed + j and predicts prompt token p + 1."""

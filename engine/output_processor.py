@@ -28,6 +28,10 @@ class RequestGroup:
     prompt_token_ids: list[int]
     sequences: list[Request]
     texts: list[SequenceText] = field(default_factory=list)
+    # Engine timestamps (time.time()) for the latency metrics.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    last_token_time: float | None = None  # when this sample's latest token was sampled
     generator: torch.Generator | None = None
     forks: list["Request"] = field(default_factory=list)
     finish_reason: str | None = None

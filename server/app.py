@@ -26,7 +26,18 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from server.state import ServerState
+from server.metrics import EngineMetrics
+from server.state import ServerState, served_model_names
+
+
+def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> CollectorRegistry:
+    """A registry holding the engine's metrics, fed from now on by its thread."""
+    registry = CollectorRegistry()
+    inner = engine.engine
+    metrics = EngineMetrics(registry, served_model_names(engine, config)[0], inner.block_size, inner.kv.pool.num_blocks,
+                            inner.max_model_len)
+    engine.on_stats = metrics.record
+    return registry
 
 
 def package_version() -> str:
@@ -37,7 +48,8 @@ def package_version() -> str:
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorRegistry | None = None) -> FastAPI:
-    """The app serves `engine`, which the caller starts and stops (one engine can back several apps)."""
+    """The app serves `engine`, which the caller starts and stops (one engine can back several
+    apps), and `registry` at /metrics (see `attach_metrics`)."""
     state = ServerState.build(engine, config)
     metrics_registry = registry or CollectorRegistry()
     app = FastAPI(title="pagedserve", version=package_version())

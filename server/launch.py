@@ -10,7 +10,7 @@ import uvicorn
 
 from config import ServeConfig
 from engine.async_engine import AsyncEngine
-from server.app import create_app
+from server.app import attach_metrics, create_app
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,10 @@ def serve(config: ServeConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stopped_by_signal)
     engine = AsyncEngine.from_config(config.engine)
+    registry = attach_metrics(engine, config.server)
     engine.start()
     try:
-        app = create_app(engine, config.server)
+        app = create_app(engine, config.server, registry)
         server = config.server
         log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_names[0], server.host, server.port,
                  engine.engine.max_model_len)

@@ -18,6 +18,10 @@ T = TypeVar("T")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def served_model_names(engine: AsyncEngine, config: ServerConfig) -> list[str]:
+    return list(config.served_model_name or [engine.engine.config.model.model or DEFAULT_MODEL_NAME])
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -31,9 +35,8 @@ class ServerState:
 
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig) -> "ServerState":
-        names = config.served_model_name or [engine.engine.config.model.model or DEFAULT_MODEL_NAME]
         # The engine thread detokenizes with its own copy; this one is the frontend's.
-        return cls(engine, config, list(names), copy.deepcopy(engine.engine.tokenizer))
+        return cls(engine, config, served_model_names(engine, config), copy.deepcopy(engine.engine.tokenizer))
 
     @property
     def max_model_len(self) -> int:

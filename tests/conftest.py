@@ -43,6 +43,7 @@ def default_model_dir() -> Path:
 # --------------------------------------------------------------------------- servers
 
 SERVER_SETTINGS = {"num_kv_blocks": 1024, "max_num_seqs": 64}  # the default model, a 16k-token pool
+SERVED_NAMES = ["SmolLM2-135M-Instruct", "smol"]
 
 
 @pytest.fixture(scope="session")
@@ -56,24 +57,33 @@ def default_engine(default_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def server(default_engine):
+def metrics_registry(default_engine):
+    """The default engine's Prometheus metrics, served at /metrics by both server fixtures."""
+    from config import ServerConfig
+    from server.app import attach_metrics
+
+    return attach_metrics(default_engine, ServerConfig(served_model_name=SERVED_NAMES))
+
+
+@pytest.fixture(scope="session")
+def server(default_engine, metrics_registry):
     """The default model served over real HTTP on 127.0.0.1, no API key."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
-    running = RunningServer(default_engine, ServerConfig(served_model_name=["SmolLM2-135M-Instruct", "smol"]))
+    running = RunningServer(default_engine, ServerConfig(served_model_name=SERVED_NAMES), metrics_registry)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="session")
-def keyed_server(default_engine):
+def keyed_server(default_engine, metrics_registry):
     """The same engine behind a second app that requires an API key, with one CORS origin."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
     config = ServerConfig(api_key="sk-test-key", allowed_origins=["http://dashboard.example"])
-    running = RunningServer(default_engine, config)
+    running = RunningServer(default_engine, config, metrics_registry)
     yield running
     running.stop()
 

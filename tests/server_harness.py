@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from config import EngineConfig, ServerConfig
 from engine.async_engine import AsyncEngine
@@ -17,9 +18,9 @@ from server.app import create_app
 
 
 class RunningServer:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
         self.engine = engine
-        self.app = create_app(engine, config)
+        self.app = create_app(engine, config, registry)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,41 @@
+"""What the engine measured since the last look: the raw material of the Prometheus metrics.
+
+Times are the engine's own wall-clock timestamps (arrival, first scheduled, first token, each
+token, finish), taken on the engine thread, so HTTP and queueing in the frontend do not blur them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FinishedRequest:
+    """One user request (all its samples) that ended, with the latencies it reached: an aborted
+    request that never got a token has no prefill or decode time."""
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float | None
+    prefill_time: float | None
+    decode_time: float | None
+
+
+@dataclass
+class EngineStats:
+    # The state now.
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    # Counts since the previous snapshot.
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    iteration_tokens: list[int] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
