@@ -1,0 +1,109 @@
+"""A real Prometheus server (Debian's `prometheus`, installed by .ci/run) scrapes the test
+server on 127.0.0.1 and answers PromQL with exactly the counts the workload implies: the
+exposition is one Prometheus actually ingests, not only one our parser reads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_harness import RunningServer, wait_until_idle
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        message = "the prometheus server is not installed (apt-get install prometheus; .ci/run does it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+        "scrape_configs:\n  - job_name: pagedserve\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "prometheus did not become ready"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        log.close()
+
+
+def query(url: str, promql: str) -> float | None:
+    response = httpx.get(url + "/api/v1/query", params={"query": promql}, timeout=5)
+    assert response.status_code == 200, response.text
+    result = response.json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def wait_for(url: str, promql: str, want: float, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        got = query(url, promql)
+        if got == want:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"{promql}: Prometheus has {got}, expected {want}")
+
+
+def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str) -> None:
+    selector = f'{{model_name="{MODEL}"}}'
+    wait_until_idle(server.engine)
+    wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
+    generated = query(prometheus, "pagedserve:generation_tokens_total" + selector)
+    finished = query(prometheus, 'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL)
+    ttft = query(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector)
+    assert generated is not None and finished is not None and ttft is not None
+
+    n, max_tokens = 3, 5
+    for i in range(n):
+        body = {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    wait_until_idle(server.engine)
+
+    wait_for(prometheus, "pagedserve:generation_tokens_total" + selector, generated + n * max_tokens)
+    wait_for(prometheus, 'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
+             finished + n)
+    wait_for(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector, ttft + n)
+    wait_for(prometheus, "pagedserve:num_requests_running" + selector, 0.0)
+    wait_for(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
+    p99 = query(prometheus, "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector)
+    assert p99 is not None and p99 > 0
