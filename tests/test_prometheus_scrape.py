@@ -1,9 +1,11 @@
-"""A real Prometheus server (Debian's `prometheus`, installed by .ci/run) scrapes the test
-server on 127.0.0.1 and answers PromQL with exactly the counts the workload implies: the
-exposition is one Prometheus actually ingests, not only one our parser reads."""
+"""A real Prometheus server (Debian's `prometheus`, installed by .ci/run), configured by
+deploy/prometheus.yml with its target pointed at the test server on 127.0.0.1, scrapes it and
+answers PromQL with exactly the counts the workload implies, and every query of every panel of
+the Grafana dashboard returns data: the exposition is one Prometheus actually ingests."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.server_harness import RunningServer, wait_until_idle
 
 MODEL = "SmolLM2-135M-Instruct"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def _free_port() -> int:
@@ -26,20 +30,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
-    binary = shutil.which("prometheus")
+def installed(tool: str) -> str:
+    binary = shutil.which(tool)
     if binary is None:
-        message = "the prometheus server is not installed (apt-get install prometheus; .ci/run does it)"
+        message = f"{tool} is not installed (apt-get install prometheus; .ci/run does it)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+    return binary
+
+
+def test_promtool_accepts_the_deploy_config() -> None:
+    done = subprocess.run([installed("promtool"), "check", "config", str(DEPLOY / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture
+def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
+    binary = installed("prometheus")
+    settings = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    # The shipped file, pointed at the test server and scraping faster so the test is short.
+    settings["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    (job,) = settings["scrape_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{server.port}"]}]
     config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: pagedserve\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{server.port}']\n"
-    )
+    config.write_text(yaml.safe_dump(settings))
     port = _free_port()
     log = (tmp_path / "prometheus.log").open("w")
     process = subprocess.Popen(
@@ -107,3 +123,21 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     wait_for(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
     p99 = query(prometheus, "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector)
     assert p99 is not None and p99 > 0
+
+
+def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: str) -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(queries) >= 12
+    wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
+    # Traffic inside the queries' rate window: a shared prefix (cache hits), several steps.
+    for i in range(3):
+        body = {"model": MODEL, "prompt": "The same long opening line, again and again, for the cache. " * 4 + str(i),
+                "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(3)  # a few scrapes after the traffic
+    for expr in queries:
+        promql = expr.replace("$model_name", MODEL).replace("$__rate_interval", "1m")
+        response = httpx.get(prometheus + "/api/v1/query", params={"query": promql}, timeout=5)
+        assert response.status_code == 200, (promql, response.text)
+        assert response.json()["data"]["result"], f"no data for {promql}"
