@@ -5,10 +5,13 @@ free KV blocks) after talking to it over real HTTP."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -69,3 +72,23 @@ def start_engine(**settings: object) -> AsyncEngine:
     engine = AsyncEngine.from_config(EngineConfig.from_kwargs(**settings))
     engine.start()
     return engine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_answering(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll `url` until it answers 200; fail with the process's log if it dies or never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()[-4000:]
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer within {timeout:.0f} s"
+        time.sleep(0.2)

@@ -8,19 +8,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from config import ConfigError
 from config.engine_config import flag
 from config.sources import SERVE_SECTIONS, serve_config
 from server import cli
+from tests.server_harness import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,12 +81,6 @@ def test_serve_refuses_bad_flags_before_loading(capsys: pytest.CaptureFixture[st
 # --------------------------------------------------------------------------- the README, for real
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _readme_blocks(language: str, marker: str) -> list[str]:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
@@ -99,7 +91,7 @@ def test_readme_examples_run_against_pagedserve_serve(default_model_dir: Path, t
     curls = _readme_blocks("bash", "curl ")
     snippets = _readme_blocks("python", "from openai import OpenAI")
     assert len(curls) == 2 and len(snippets) == 1
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = Path(sys.executable).parent / "pagedserve"
     log = (tmp_path / "serve.log").open("w")
@@ -108,16 +100,7 @@ def test_readme_examples_run_against_pagedserve_serve(default_model_dir: Path, t
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_until_answering(url + "/health", process, tmp_path / "serve.log", timeout=180)
 
         def run(argv: list[str]) -> str:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=180)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,16 +17,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_harness import RunningServer, wait_until_idle
+from tests.server_harness import (
+    RunningServer,
+    free_port,
+    wait_until_answering,
+    wait_until_idle,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def installed(tool: str) -> str:
@@ -56,7 +54,7 @@ def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
     job["static_configs"] = [{"targets": [f"127.0.0.1:{server.port}"]}]
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(settings))
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -65,16 +63,7 @@ def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+        wait_until_answering(url + "/-/ready", process, tmp_path / "prometheus.log", timeout=30)
         yield url
     finally:
         process.terminate()
