@@ -30,16 +30,16 @@ def _fields(sections: Mapping[str, type[BaseModel]]) -> dict[str, FieldInfo]:
     return {name: info for model in sections.values() for name, info in model.model_fields.items()}
 
 
-def _base_type(annotation: object) -> tuple[object, bool]:
-    """(the type without None, whether None was allowed)."""
+def _base_type(annotation: object) -> object:
+    """The type without its `| None`."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
-        return (args[0] if len(args) == 1 else annotation), True
-    return annotation, False
+        return args[0] if len(args) == 1 else annotation
+    return annotation
 
 
 def _is_list(annotation: object) -> bool:
-    return get_origin(_base_type(annotation)[0]) is list
+    return get_origin(_base_type(annotation)) is list
 
 
 def add_flags(parser: argparse.ArgumentParser, sections: Mapping[str, type[BaseModel]], skip: tuple[str, ...] = ()) -> None:
@@ -48,7 +48,7 @@ def add_flags(parser: argparse.ArgumentParser, sections: Mapping[str, type[BaseM
     for name, info in _fields(sections).items():
         if name in skip:
             continue
-        base, _ = _base_type(info.annotation)
+        base = _base_type(info.annotation)
         kwargs: dict[str, object] = {"default": argparse.SUPPRESS, "dest": name}
         default = info.default
         shown = "none" if default is None else ",".join(default) if isinstance(default, list) else default

@@ -8,6 +8,7 @@ from config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenization import encode_chat
 
 Prompt = str | list[int]
 Message = dict[str, object]
@@ -61,6 +62,4 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        # The template already holds the special tokens; do not add a second BOS.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)

@@ -23,6 +23,7 @@ from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, FinishedRequest
+from engine.tokenization import encode
 from kernels.attention import select_attention_backend
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
+            return encode(self.tokenizer, prompt)
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -10,12 +10,14 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from config import ServerConfig
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.tokenization import encode
 from server.auth import APIKeyMiddleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import APIError, install_error_handlers
-from server.inputs import chat_messages, encode, render_chat
+from server.errors import APIError, engine_dead, install_error_handlers
+from server.inputs import chat_messages, render_chat
+from server.metrics import EngineMetrics
 from server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -26,7 +28,6 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from server.metrics import EngineMetrics
 from server.state import ServerState, served_model_names
 
 
@@ -66,9 +67,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorReg
         allow_credentials=config.allow_credentials,
     )
 
+    def unavailable() -> APIError:
+        return engine_dead(EngineDeadError(engine.dead_reason()))
+
     def require_engine() -> None:
         if not engine.is_alive:
-            raise APIError(503, "the engine is not running", type="service_unavailable")
+            raise unavailable()
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
@@ -94,7 +98,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorReg
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
-            return APIError(503, engine.dead_reason(), type="service_unavailable").response()
+            return unavailable().response()
         return Response(status_code=200)
 
     @app.get("/version")

@@ -30,10 +30,6 @@ from server.state import ServerState
 from server.streaming import DONE, sse, until_disconnected
 
 
-def _usage(output: RequestOutput) -> Usage:
-    return Usage.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
-
-
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, request: Request
 ) -> ChatCompletion | StreamingResponse:
@@ -74,7 +70,7 @@ async def create_chat_completion(
         )
         for c in final.outputs
     ]
-    return ChatCompletion(id=response_id, created=created, model=model, choices=choices, usage=_usage(final))
+    return ChatCompletion(id=response_id, created=created, model=model, choices=choices, usage=Usage.of([final]))
 
 
 LogprobsOf = Callable[[CompletionOutput, list[int], int], ChatLogprobs | None]
@@ -84,8 +80,7 @@ async def _stream(
     req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], response_id: str, created: int, model: str,
     logprobs_of: LogprobsOf,
 ) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
+    exclude = None if req.include_usage else {"usage"}
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, usage=usage), exclude)
@@ -113,8 +108,8 @@ async def _stream(
                     index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
                 )
                 yield chunk([choice])
-        if include_usage and final is not None:
-            yield chunk([], _usage(final))
+        if req.include_usage and final is not None:
+            yield chunk([], Usage.of([final]))
     except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse(as_api_error(exc).body())
     yield DONE

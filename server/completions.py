@@ -13,8 +13,9 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
+from engine.tokenization import encode
 from server.errors import as_api_error, invalid
-from server.inputs import encode, resolve_max_tokens, sampling_params
+from server.inputs import resolve_max_tokens, sampling_params
 from server.logprobs import add_completion_logprobs
 from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
 from server.state import ServerState
@@ -78,7 +79,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     finals = await until_disconnected(request, collect())
     choices = [writer.full_choice(i, c, out) for i, out in enumerate(finals) for c in out.outputs]
-    return Completion(id=response_id, created=created, model=model, choices=choices, usage=writer.usage(finals))
+    return Completion(id=response_id, created=created, model=model, choices=choices, usage=Usage.of(finals))
 
 
 class _ChoiceWriter:
@@ -142,17 +143,12 @@ class _ChoiceWriter:
             index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
         )
 
-    def usage(self, finals: list[RequestOutput]) -> Usage:
-        # A prompt counts once however many samples it has, as OpenAI counts it.
-        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-        return Usage.of(prompt_tokens, sum(len(c.token_ids) for out in finals for c in out.outputs))
 
 
 async def _stream(
     writer: _ChoiceWriter, streams: list[AsyncIterator[RequestOutput]], response_id: str, created: int, model: str
 ) -> AsyncIterator[str]:
-    include_usage = bool(writer.req.stream_options and writer.req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
+    exclude = None if writer.req.include_usage else {"usage"}
     finals: dict[int, RequestOutput] = {}
     finished: set[int] = set()
     try:
@@ -170,8 +166,8 @@ async def _stream(
                 yield sse(chunk, exclude)
             if output.finished:
                 finals[prompt_index] = output
-        if include_usage:
-            usage = writer.usage([finals[i] for i in range(len(writer.prompts))])
+        if writer.req.include_usage:
+            usage = Usage.of([finals[i] for i in range(len(writer.prompts))])
             yield sse(Completion(id=response_id, created=created, model=model, choices=[], usage=usage))
     except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse(as_api_error(exc).body())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import SamplingParams
+from engine.tokenization import encode_chat
 from server.errors import invalid
 from server.protocol import ChatMessage, SamplingFields
 
@@ -79,12 +80,6 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template: use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return encode_chat(tokenizer, messages, add_generation_prompt)
     except Exception as exc:  # a template's own raise_exception(), e.g. roles out of order
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-    # The template already holds the special tokens; do not add a second BOS.
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

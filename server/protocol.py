@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from engine import InvalidRequestError
+from engine import InvalidRequestError, RequestOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -51,6 +51,10 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def check(self) -> None:
         """Rules across fields, raised with the parameter to blame (pydantic would not name it)."""
@@ -121,8 +125,12 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    def of(cls, outputs: list[RequestOutput]) -> "Usage":
+        """A prompt counts once however many samples it has, as OpenAI counts it."""
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        total = prompt_tokens + completion_tokens
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total)
 
 
 class CompletionLogprobs(BaseModel):
