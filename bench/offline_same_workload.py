@@ -25,16 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_load, when imp
 
 from serve_load import WorkItem, add_workload_args, make_workload, warmup_workload
 
+from config.engine_config import ENGINE_SECTIONS
+from config.sources import add_flags
 from engine import LLM, SamplingParams
 
-
-def engine_settings(args: argparse.Namespace) -> dict[str, object]:
-    """Only the settings given: the rest keep the engine's defaults."""
-    names = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-             "kv_cache_memory_gib", "dtype"]
-    settings: dict[str, object] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    settings["enable_prefix_caching"] = args.enable_prefix_caching
-    return settings
+# The engine's settings, flags named as `pagedserve serve` names them; --seed is the workload's.
+ENGINE_SETTINGS = {name for section in ENGINE_SECTIONS.values() for name in section.model_fields} - {"seed"}
 
 
 def run_offline(llm: LLM, workload: list[WorkItem], warmup: list[WorkItem] | None = None) -> dict:
@@ -67,22 +63,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled SmolLM2-135M-Instruct)")
     add_workload_args(parser)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="match the load's --concurrency")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    parser.add_argument("--dtype", default=None)
-    # Random prompts share no prefix, so caching changes nothing but bookkeeping; keep it like the server's.
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    # Only the settings given reach the engine: the rest keep its defaults.
+    add_flags(parser, ENGINE_SECTIONS, skip=("model", "seed"))
+    parser.set_defaults(max_num_seqs=16)  # match the load's --concurrency
     parser.add_argument("--out", default=None, help="write the report as JSON")
     args = parser.parse_args()
 
     workload = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio,
                              args.vocab_size, args.seed)
-    settings = engine_settings(args)
-    llm = LLM(args.model, **settings)
+    settings = {name: value for name, value in vars(args).items() if name in ENGINE_SETTINGS}
+    llm = LLM(**settings)  # the positional MODEL is the `model` setting
     report = run_offline(llm, workload, warmup_workload(1, args.input_len, args.vocab_size, args.seed))
     report["config"] = {"model": str(llm.engine.model_path), "num_requests": args.num_requests,
                         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
