@@ -25,6 +25,19 @@ class ServerConfig(_Strict):
     allowed_headers: list[str] = Field(["*"], description="CORS allowed headers")
     allow_credentials: bool = Field(False, description="CORS: allow credentials")
     uvicorn_log_level: LogLevel = Field("info", description="log level of the HTTP server")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM before they are aborted"
+    )
+    max_waiting_requests: int | None = Field(
+        None, ge=0, description="refuse new requests (503 + Retry-After) while this many admitted ones have no token "
+        "yet (default: no limit)"
+    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt accepted, in tokens (default: the context)")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="most tokens one completion may ask for (default: what the context leaves)"
+    )
+    max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
 
 
 class ServeConfig(_Strict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
@@ -12,7 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from config import ServerConfig
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.tokenization import encode
+from server.admission import AdmissionMiddleware
 from server.auth import APIKeyMiddleware
+from server.body_limit import BodyLimitMiddleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import APIError, engine_dead, install_error_handlers
@@ -31,14 +35,13 @@ from server.protocol import (
 from server.state import ServerState, served_model_names
 
 
-def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> CollectorRegistry:
-    """A registry holding the engine's metrics, fed from now on by its thread."""
-    registry = CollectorRegistry()
+def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
+    """The engine's metrics in a registry of their own, fed from now on by its thread."""
     inner = engine.engine
-    metrics = EngineMetrics(registry, served_model_names(engine, config)[0], inner.block_size, inner.kv.pool.num_blocks,
-                            inner.max_model_len)
+    metrics = EngineMetrics(CollectorRegistry(), served_model_names(engine, config)[0], inner.block_size,
+                            inner.kv.pool.num_blocks, inner.max_model_len)
     engine.on_stats = metrics.record
-    return registry
+    return metrics
 
 
 def package_version() -> str:
@@ -48,17 +51,26 @@ def package_version() -> str:
         return "unknown"
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorRegistry | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None) -> FastAPI:
     """The app serves `engine`, which the caller starts and stops (one engine can back several
-    apps), and `registry` at /metrics (see `attach_metrics`)."""
-    state = ServerState.build(engine, config)
-    metrics_registry = registry or CollectorRegistry()
-    app = FastAPI(title="pagedserve", version=package_version())
+    apps), and `metrics` at /metrics (see `attach_metrics`)."""
+    state = ServerState.build(engine, config, metrics.reject if metrics else None)
+    metrics_registry = metrics.registry if metrics else CollectorRegistry()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.close()
+
+    app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    # Each middleware added wraps the ones before it: CORS, body limit, key, then admission.
+    app.add_middleware(AdmissionMiddleware, gate=state.gate)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    # Added last, so outermost: a CORS preflight is answered before the key is asked for.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # Outermost: a CORS preflight is answered before the key is asked for.
     app.add_middleware(
         CORSMiddleware,
         allow_origins=config.allowed_origins,
@@ -99,6 +111,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, registry: CollectorReg
     async def health() -> Response:
         if not engine.is_alive:
             return unavailable().response()
+        if state.gate.draining:  # so that load balancers stop sending requests here
+            return APIError(503, "the server is shutting down", type="service_unavailable").response()
         return Response(status_code=200)
 
     @app.get("/version")

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from engine import RequestOutput
 from engine.outputs import CompletionOutput
 from server.errors import as_api_error
-from server.inputs import chat_messages, render_chat, resolve_max_tokens, sampling_params
+from server.inputs import chat_messages, check_limits, render_chat, resolve_max_tokens, sampling_params
 from server.logprobs import chat_logprobs
 from server.protocol import (
     AssistantMessage,
@@ -38,13 +38,14 @@ async def create_chat_completion(
     messages = chat_messages(req.messages)
     prompt_ids = await state.off_loop(render_chat, state.tokenizer, messages, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages")
+    check_limits(state.config, req.n, len(prompt_ids), requested, "messages")
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", state.config.max_output_tokens)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, top_n)
     state.engine.engine.validate(prompt_ids, params)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = state.engine.generate(prompt_ids, params, response_id, prompt_ids)
+    stream = state.generate(request, prompt_ids, params, response_id, prompt_ids)
 
     def logprobs_of(c: CompletionOutput, token_ids: list[int], start: int) -> ChatLogprobs | None:
         if top_n is None:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             from server.launch import serve  # the HTTP stack is only imported when it is used
 
             config_file = args.pop("config")
-            serve(serve_config(args, os.environ, config_file))  # type: ignore[arg-type]
+            return serve(serve_config(args, os.environ, config_file))  # type: ignore[arg-type]
         else:
             _generate(args, parser)
     except (ConfigError, ModelLoadError, InvalidRequestError) as exc:

@@ -15,7 +15,7 @@ from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
 from engine.tokenization import encode
 from server.errors import as_api_error, invalid
-from server.inputs import resolve_max_tokens, sampling_params
+from server.inputs import check_limits, resolve_max_tokens, sampling_params
 from server.logprobs import add_completion_logprobs
 from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
 from server.state import ServerState
@@ -52,7 +52,9 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
             prompts.append(_Prompt(None, list(item)))
     logprobs = req.logprobs
     for p in prompts:
-        max_tokens = resolve_max_tokens(req.max_tokens, len(p.token_ids), state.max_model_len, "prompt")
+        check_limits(state.config, req.n, len(p.token_ids), req.max_tokens, "prompt")
+        max_tokens = resolve_max_tokens(req.max_tokens, len(p.token_ids), state.max_model_len, "prompt",
+                                        state.config.max_output_tokens)
         p.params = sampling_params(req, max_tokens, logprobs, prompt_logprobs=logprobs if req.echo else None)
         state.engine.engine.validate(p.token_ids, p.params)  # 400 now, not an error later from the engine thread
     return prompts
@@ -64,7 +66,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = [
-        state.engine.generate(p.text if p.text is not None else p.token_ids, p.params, f"{response_id}-{i}", p.token_ids)
+        state.generate(request, p.text if p.text is not None else p.token_ids, p.params, f"{response_id}-{i}", p.token_ids)
         for i, p in enumerate(prompts)
     ]
     writer = _ChoiceWriter(state, req, prompts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from config import ServerConfig
 from engine import SamplingParams
 from engine.tokenization import encode_chat
 from server.errors import invalid
@@ -39,12 +40,29 @@ def sampling_params(
     )
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+def check_limits(config: ServerConfig, n: int, prompt_len: int, requested: int | None, prompt_param: str) -> None:
+    """The server's own ceilings (flags), each refused with a message naming it."""
+    if n > config.max_n:
+        raise invalid(f"n={n} is more than this server's limit of {config.max_n} (--max-n)", "n")
+    if config.max_prompt_tokens is not None and prompt_len > config.max_prompt_tokens:
+        raise invalid(
+            f"the prompt has {prompt_len} tokens, more than this server's limit of {config.max_prompt_tokens} "
+            "(--max-prompt-tokens)", prompt_param,
+        )
+    if config.max_output_tokens is not None and requested is not None and requested > config.max_output_tokens:
+        raise invalid(
+            f"max_tokens={requested} is more than this server's limit of {config.max_output_tokens} (--max-output-tokens)",
+            "max_tokens",
+        )
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str,
+                       limit: int | None = None) -> int:
     """The completion budget: what was asked, which must fit beside the prompt, or (unasked)
-    all the room the context has left."""
+    all the room the context has left, up to the server's `limit`."""
     room = max_model_len - prompt_len
     if requested is None and room >= 1:
-        return room
+        return room if limit is None else min(room, limit)
     wanted = requested if requested is not None else 1
     if prompt_len + wanted > max_model_len:
         raise invalid(

@@ -1,37 +1,45 @@
-"""Start the daemon: the engine thread, then the HTTP server on the main thread's event loop."""
+"""Start the daemon: the engine thread, then the HTTP server on the main thread's event loop;
+stop it as `server.lifecycle` describes and return the process's exit status."""
 
 from __future__ import annotations
 
 import logging
-import signal
-from types import FrameType
+import threading
 
 import uvicorn
 
 from config import ServeConfig
 from engine.async_engine import AsyncEngine
 from server.app import attach_metrics, create_app
+from server.lifecycle import DrainingServer
 
 log = logging.getLogger(__name__)
 
-
-def _stopped_by_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
+GRACEFUL_SECONDS = 5  # for uvicorn to close idle connections once the drain is over
 
 
-def serve(config: ServeConfig) -> None:
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
-    # it found at start. Finding this one, a requested stop ends with status 0, engine joined.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stopped_by_signal)
+def serve(config: ServeConfig) -> int:
     engine = AsyncEngine.from_config(config.engine)
-    registry = attach_metrics(engine, config.server)
+    metrics = attach_metrics(engine, config.server)
     engine.start()
+    settings = config.server
     try:
-        app = create_app(engine, config.server, registry)
-        server = config.server
-        log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_names[0], server.host, server.port,
-                 engine.engine.max_model_len)
-        uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level, timeout_graceful_shutdown=5)
+        app = create_app(engine, settings, metrics)
+        log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_names[0], settings.host,
+                 settings.port, engine.engine.max_model_len)
+        server = DrainingServer(
+            uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                           timeout_graceful_shutdown=GRACEFUL_SECONDS),
+            engine, app.state.server.gate, settings.shutdown_timeout,
+        )
+        server.run()
     finally:
         engine.shutdown()
+    if not server.started:
+        log.error("the HTTP server did not start")
+        return 1
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if left:
+        log.warning("threads still running at exit: %s", left)
+    log.info("stopped (exit status %d)", server.exit_code)
+    return server.exit_code

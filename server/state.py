@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from fastapi import Request
+
 from config import ServerConfig
+from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
+from server.admission import Gate
 from server.errors import model_not_found
 
 T = TypeVar("T")
@@ -28,15 +34,20 @@ class ServerState:
     config: ServerConfig
     model_names: list[str]
     tokenizer: Any
+    gate: Gate
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
     # tokenizer is not safe to call from several threads at once.
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer"))
 
     @classmethod
-    def build(cls, engine: AsyncEngine, config: ServerConfig) -> "ServerState":
+    def build(cls, engine: AsyncEngine, config: ServerConfig, on_reject: Callable[[str], None] | None = None) -> "ServerState":
         # The engine thread detokenizes with its own copy; this one is the frontend's.
-        return cls(engine, config, served_model_names(engine, config), copy.deepcopy(engine.engine.tokenizer))
+        tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        return cls(engine, config, served_model_names(engine, config), tokenizer, Gate(config.max_waiting_requests, on_reject))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     @property
     def max_model_len(self) -> int:
@@ -57,6 +68,17 @@ class ServerState:
         if requested not in self.model_names:
             raise model_not_found(requested)
         return requested
+
+    async def generate(
+        self, request: Request, prompt: str | list[int], params: SamplingParams, request_id: str, prompt_token_ids: list[int]
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; the first one ends the HTTP request's wait in
+        the admission gate's queue."""
+        ticket = request.scope["state"]["ticket"]
+        async with aclosing(self.engine.generate(prompt, params, request_id, prompt_token_ids)) as outputs:
+            async for output in outputs:
+                ticket.start()
+                yield output
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -57,7 +57,7 @@ def default_engine(default_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def metrics_registry(default_engine):
+def engine_metrics(default_engine):
     """The default engine's Prometheus metrics, served at /metrics by both server fixtures."""
     from config import ServerConfig
     from server.app import attach_metrics
@@ -66,24 +66,24 @@ def metrics_registry(default_engine):
 
 
 @pytest.fixture(scope="session")
-def server(default_engine, metrics_registry):
+def server(default_engine, engine_metrics):
     """The default model served over real HTTP on 127.0.0.1, no API key."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
-    running = RunningServer(default_engine, ServerConfig(served_model_name=SERVED_NAMES), metrics_registry)
+    running = RunningServer(default_engine, ServerConfig(served_model_name=SERVED_NAMES), engine_metrics)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="session")
-def keyed_server(default_engine, metrics_registry):
+def keyed_server(default_engine, engine_metrics):
     """The same engine behind a second app that requires an API key, with one CORS origin."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
     config = ServerConfig(api_key="sk-test-key", allowed_origins=["http://dashboard.example"])
-    running = RunningServer(default_engine, config, metrics_registry)
+    running = RunningServer(default_engine, config, engine_metrics)
     yield running
     running.stop()
 

@@ -13,23 +13,30 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from prometheus_client import CollectorRegistry
 
 from config import EngineConfig, ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import create_app
+from server.lifecycle import DrainingServer
+from server.metrics import EngineMetrics
 
 
 class RunningServer:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None, lifecycle: bool = False
+    ) -> None:
+        """`lifecycle`: run the daemon's own server class, which drains on `drain()` and stops
+        by itself when the engine dies (`exit_code` then says what the process would exit with)."""
         self.engine = engine
-        self.app = create_app(engine, config, registry)
+        self.app = create_app(engine, config, metrics)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        settings = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        gate = self.app.state.server.gate
+        self._server = DrainingServer(settings, engine, gate, config.shutdown_timeout) if lifecycle else uvicorn.Server(settings)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
@@ -40,6 +47,18 @@ class RunningServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+    def drain(self) -> None:
+        """What SIGTERM does to the daemon (lifecycle servers only)."""
+        assert isinstance(self._server, DrainingServer)
+        self._server.begin_drain()
+
+    def join(self, timeout: float) -> int:
+        """Wait for a lifecycle server to stop by itself; its exit status."""
+        assert isinstance(self._server, DrainingServer)
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the server did not stop within {timeout} s"
+        return self._server.exit_code
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""How the daemon stops: drained on SIGTERM, at once on a second signal, non-zero when the
+engine dies.
+
+- First SIGTERM/SIGINT: the admission gate closes (new generation requests and /health get
+  503, so a load balancer moves on), requests in flight get `shutdown_timeout` seconds to
+  finish, then the engine aborts the rest (finish_reason `abort`; streams still end with
+  `[DONE]`), their responses go out, and uvicorn stops. Exit status 0.
+- A second signal during the drain: exit at once, status 128 + the signal's number.
+- The engine thread dies (a step raised): every request in flight has already been failed by
+  it; once those error responses are out, the server stops with status 1, so that an
+  orchestrator restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from types import FrameType
+
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from server.admission import Gate
+
+log = logging.getLogger(__name__)
+
+ENGINE_POLL_SECONDS = 0.1
+FLUSH_SECONDS = 10.0  # for responses still being sent once their requests have ended
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.gate = gate
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_requested = asyncio.Event()
+        self._signalled = False
+
+    def begin_drain(self) -> None:
+        """Start the graceful shutdown; callable from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain_requested.set)
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Replaces uvicorn's handlers, which would stop accepting at once. Only the main
+        # thread can install signal handlers (a server run in a test thread is drained by
+        # calling begin_drain).
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signalled:
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        self._signalled = True
+        log.info("%s: draining (up to %.0f s for requests in flight)", signal.Signals(signum).name, self.shutdown_timeout)
+        self.begin_drain()
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        supervisor = asyncio.create_task(self._supervise())
+        try:
+            await super().serve(sockets)
+        finally:
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
+
+    async def _supervise(self) -> None:
+        drain = asyncio.create_task(self._drain_requested.wait())
+        try:
+            while not drain.done() and self.engine.error is None:
+                await asyncio.wait({drain}, timeout=ENGINE_POLL_SECONDS)
+        finally:
+            drain.cancel()
+        if self.engine.error is not None:
+            log.error("the engine has failed; stopping the server with status 1 so that it is restarted")
+            self.exit_code = 1
+            self.gate.draining = True
+            await self._wait_idle(FLUSH_SECONDS)
+        else:
+            await self._drain()
+            if self.engine.error is not None:  # it failed while draining
+                self.exit_code = 1
+        self.should_exit = True
+
+    async def _drain(self) -> None:
+        self.gate.draining = True
+        if await self._wait_idle(self.shutdown_timeout):
+            log.info("drained: every request in flight has finished")
+            return
+        log.warning("shutdown timeout (%.0f s): aborting %d requests in flight", self.shutdown_timeout, self.gate.in_flight)
+        await asyncio.to_thread(self.engine.shutdown)  # aborts what is in flight, then stops the thread
+        await self._wait_idle(FLUSH_SECONDS)
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.gate.wait_idle(), timeout)
+        except TimeoutError:
+            return False
+        return True
