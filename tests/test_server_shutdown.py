@@ -1,0 +1,183 @@
+"""The real daemon (`pagedserve serve` in a subprocess, HTTP on 127.0.0.1) stopping: SIGTERM
+during load lets short requests finish, aborts long ones at --shutdown-timeout, refuses new
+ones with 503 and exits 0 with no thread left; a second signal exits at once; an engine that
+fails mid-step fails the requests in flight and makes the process exit 1, never hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.server_harness import free_port, wait_until_answering
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit within {timeout} s:\n{self.log.read_text()[-3000:]}") from None
+
+
+def start_daemon(tmp_path: Path, args: list[str], module: str = "server.cli", env: dict[str, str] | None = None) -> Daemon:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+    daemon = Daemon(process, f"http://127.0.0.1:{port}", log)
+    try:
+        wait_until_answering(daemon.url + "/health", process, log, timeout=180)
+    except BaseException:
+        process.kill()
+        raise
+    return daemon
+
+
+@dataclass
+class Stream:
+    """One streaming completion read on its own thread."""
+
+    url: str
+    body: dict
+    events: list[dict | str] = field(default_factory=list)
+    error: BaseException | None = None
+    first_event: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json={**self.body, "stream": True}, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.first_event.set()
+        except BaseException as exc:  # a server that exits at once cuts the stream
+            self.error = exc
+            self.first_event.set()
+
+    def join(self, timeout: float) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in self.events if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]]
+
+
+def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        response = httpx.get(url, timeout=5)
+        if response.status_code == status:
+            return response
+        assert time.monotonic() < deadline, f"{url} still answers {response.status_code}"
+        time.sleep(0.05)
+
+
+def stop(daemon: Daemon) -> None:
+    if daemon.process.poll() is None:
+        daemon.process.kill()
+        daemon.process.wait()
+
+
+def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
+    daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "4"])
+    try:
+        short = [Stream(daemon.url, {"prompt": f"Count to {i}:", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                 for i in range(2)]
+        long = [Stream(daemon.url, {"prompt": f"Story {i}:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+                for i in range(2)]
+        for stream in short + long:
+            stream.start()
+        for stream in short + long:
+            assert stream.first_event.wait(60)
+        signalled = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM)
+        wait_for_status(daemon.url + "/health", 503)
+        refused = httpx.post(daemon.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503
+        assert refused.json()["error"] == {"message": "the server is shutting down", "type": "service_unavailable",
+                                           "param": None, "code": None}
+        assert daemon.wait(60) == 0
+        elapsed = time.monotonic() - signalled
+        for stream in short + long:
+            stream.join(10)
+            assert stream.error is None and stream.events[-1] == "[DONE]"
+        assert [s.finish_reasons for s in short] == [["length"], ["length"]]
+        assert [s.finish_reasons for s in long] == [["abort"], ["abort"]]
+        assert all(sum(1 for e in s.events if isinstance(e, dict)) < 4000 for s in long)
+        assert elapsed >= 4
+    finally:
+        stop(daemon)
+    log = daemon.log.read_text()
+    assert "aborting 2 requests in flight" in log and "stopped (exit status 0)" in log
+    assert "threads still running" not in log and "Traceback" not in log
+
+
+def test_second_signal_exits_at_once(tmp_path: Path, default_model_dir: Path) -> None:
+    daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "600"])
+    try:
+        long = Stream(daemon.url, {"prompt": "Story:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}).start()
+        assert long.first_event.wait(60)
+        daemon.process.send_signal(signal.SIGTERM)
+        wait_for_status(daemon.url + "/health", 503)
+        time.sleep(0.5)
+        assert daemon.process.poll() is None  # still draining: the long request has 600 s
+        second = time.monotonic()
+        daemon.process.send_signal(signal.SIGINT)
+        assert daemon.wait(10) == 128 + signal.SIGINT
+        assert time.monotonic() - second < 5
+        long.join(10)
+        assert long.error is not None or "[DONE]" not in long.events  # cut off, not finished
+    finally:
+        stop(daemon)
+    assert "second SIGINT: exiting now" in daemon.log.read_text()
+
+
+def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: Path) -> None:
+    daemon = start_daemon(
+        tmp_path, [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"], module="tests.faulty_serve",
+        env={"PAGEDSERVE_TEST_FAULT_AFTER": "3"},
+    )
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        stream = Stream(daemon.url, body).start()
+        assert stream.first_event.wait(60)
+        plain = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
+        assert plain.status_code == 500
+        assert plain.json()["error"]["type"] == "server_error" and "injected fault" in plain.json()["error"]["message"]
+        stream.join(30)
+        assert stream.error is None and stream.events[-1] == "[DONE]"
+        assert set(stream.events[-2]) == {"error"} and "injected fault" in stream.events[-2]["error"]["message"]
+        assert daemon.wait(30) == 1
+    finally:
+        stop(daemon)
+    log = daemon.log.read_text()
+    assert "Traceback" in log and "RuntimeError: injected fault" in log
+    assert "stopped (exit status 1)" in log
