@@ -21,9 +21,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from config import ServeConfig
+from config import ServeConfig, ServerConfig
 from config.sources import serve_config
 from server.cli import build_parser
+from server.launch import GRACEFUL_SECONDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -47,7 +48,7 @@ CHARTED_FAMILIES = {
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
     "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_hits", "prefix_cache_queries",
-    "request_success", "iteration_tokens_total",
+    "request_success", "iteration_tokens_total", "request_rejected",
 }
 
 # A metric selector in PromQL: the name (digits included: e2e_...) and, when present, its {matchers}.
@@ -227,7 +228,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 20
+    assert len(exprs) == 21
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr
@@ -295,6 +296,14 @@ def test_compose_gives_the_server_a_gpu_a_model_and_a_healthcheck() -> None:
     assert list(bind_mounts("pagedserve").values()) == [dockerfile_env()["PAGEDSERVE_MODEL"]]
     assert server["ports"] == ["8000:8000"]
     assert server["healthcheck"]["test"] == ["CMD", "curl", "-fsS", "http://127.0.0.1:8000/health"]
+
+
+def test_compose_waits_longer_than_the_drain_before_killing() -> None:
+    server = compose()["services"]["pagedserve"]
+    grace = int(server["stop_grace_period"].removesuffix("s"))
+    drain = ServerConfig().shutdown_timeout + GRACEFUL_SECONDS
+    assert "PAGEDSERVE_SHUTDOWN_TIMEOUT" not in server["environment"] and grace > drain
+    assert server["restart"] == "unless-stopped"  # an engine failure exits 1: compose restarts it
 
 
 def test_grafana_provisioning_matches_the_compose_mounts() -> None:
@@ -375,6 +384,9 @@ def test_deployment_env_and_args_resolve_to_a_server_config() -> None:
     assert config.engine.cache.kv_cache_memory_gib == 20.0
     [secret] = [e for e in c["env"] if "valueFrom" in e]
     assert secret["name"] == "PAGEDSERVE_API_KEY"
+    # The kubelet's SIGKILL must come after the drain and uvicorn's own close.
+    grace = k8s("deployment.yaml")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > config.server.shutdown_timeout + GRACEFUL_SECONDS
 
 
 def test_deployment_is_annotated_for_scraping_and_selected_by_the_service() -> None:
