@@ -240,3 +240,42 @@ def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, tim
         assert not engine.thread.is_alive()  # the drain stopped it to abort the long request
     with pytest.raises(RuntimeError):  # the app's tokenizer thread was shut down with it
         state.executor.submit(print)
+
+
+def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
+    """Steps of 50 ms; a client leaves mid-stream, another times out waiting for a whole answer:
+    each request is gone from the engine within two steps of the close (the one running when
+    the client left, then the next, which takes the abort)."""
+    engine = start_engine(model=str(qwen3_dir), **ENGINE_SETTINGS)
+    running = RunningServer(engine, ServerConfig())
+    inner = engine.engine
+    real_step = inner.step
+    steps = {"n": 0}
+
+    def counted_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.05)
+        steps["n"] += 1
+        return real_step()
+
+    inner.step = counted_step  # type: ignore[method-assign]
+    body = {**BODY, "max_tokens": 200}
+    try:
+        with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            for i, _ in enumerate(response.iter_lines()):
+                if i == 6:
+                    break
+            closed_at = steps["n"]
+        wait_for(lambda: not inner.groups, timeout=10)
+        assert steps["n"] - closed_at <= 2
+
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        closed_at = steps["n"]
+        wait_for(lambda: not inner.groups, timeout=10)
+        assert steps["n"] - closed_at <= 2
+        state = wait_until_idle(engine)
+        assert state.free_blocks == state.num_blocks
+    finally:
+        inner.step = real_step  # type: ignore[method-assign]
+        running.stop()
+        engine.shutdown()
