@@ -32,6 +32,10 @@ class ServerConfig(_Strict):
         None, ge=0, description="refuse new requests (503 + Retry-After) while this many admitted ones have no token "
         "yet (default: no limit)"
     )
+    max_queue_time: float | None = Field(
+        None, gt=0, description="seconds a request may wait for its first token before it is dropped with 503 "
+        "(default: no limit)"
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt accepted, in tokens (default: the context)")
     max_output_tokens: int | None = Field(

@@ -74,6 +74,10 @@ class Gate:
         """Until no admitted request is left in flight."""
         await self._idle.wait()
 
+    def dropped(self, reason: str) -> None:
+        """An admitted request given up on (it waited too long): counted like a refusal."""
+        self._reject(reason)
+
     def _reject(self, reason: str) -> None:
         if self.on_reject is not None:
             self.on_reject(reason)

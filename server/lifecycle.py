@@ -111,6 +111,6 @@ class DrainingServer(uvicorn.Server):
     async def _wait_idle(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self.gate.wait_idle(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
             return False
         return True

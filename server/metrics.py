@@ -19,7 +19,7 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort")
-REJECT_REASONS = ("queue_full", "shutting_down")
+REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
 
 
 def one_two_five_buckets(limit: int) -> list[int]:
@@ -60,7 +60,7 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
         success = counter("request_success", "Requests finished, by reason.", ("finished_reason",))
         self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
-        rejected = counter("request_rejected", "Requests refused with 503 before admission, by reason.", ("reason",))
+        rejected = counter("request_rejected", "Requests refused with 503, by reason.", ("reason",))
         self.rejected = {reason: rejected.labels(m, reason) for reason in REJECT_REASONS}
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a sample.", ITL_BUCKETS).labels(m)
@@ -79,7 +79,7 @@ class EngineMetrics:
         info.labels(str(block_size), str(num_blocks)).set(1)
 
     def reject(self, reason: str) -> None:
-        """Called on the event loop when the admission gate refuses a request."""
+        """Called on the event loop when the admission gate refuses or drops a request."""
         self.rejected[reason].inc()
 
     def record(self, stats: EngineStats) -> None:

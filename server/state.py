@@ -17,7 +17,7 @@ from config import ServerConfig
 from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
 from server.admission import Gate
-from server.errors import model_not_found
+from server.errors import APIError, model_not_found
 
 T = TypeVar("T")
 
@@ -76,9 +76,21 @@ class ServerState:
         the admission gate's queue."""
         ticket = request.scope["state"]["ticket"]
         async with aclosing(self.engine.generate(prompt, params, request_id, prompt_token_ids)) as outputs:
-            async for output in outputs:
+            if not ticket.started:  # (a sibling of a multi-prompt request may have started it)
+                first = await self._first_output(outputs)
                 ticket.start()
+                yield first
+            async for output in outputs:
                 yield output
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        limit = self.config.max_queue_time
+        try:
+            return await asyncio.wait_for(anext(outputs), limit)  # a timeout cancels it: the request is aborted
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+            self.gate.dropped("queue_timeout")
+            raise APIError(503, f"no token within this server's limit of {limit:g} s (--max-queue-time)",
+                           type="service_unavailable", code="queue_timeout") from None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

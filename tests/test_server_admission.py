@@ -116,7 +116,7 @@ def test_full_queue_refuses_at_once_with_retry_after_and_counts(qwen3_dir: Path)
                 sender.join(60)
         assert [a.status_code for a in answers] == [200] * 4
         assert all(a.json()["usage"]["completion_tokens"] == 6 for a in answers)
-        assert (gate.waiting, gate.in_flight) == (0, 0)
+        wait_for(lambda: (gate.waiting, gate.in_flight) == (0, 0), timeout=5)  # released once the last byte is out
         assert httpx.post(running.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
     finally:
         running.stop()
@@ -277,5 +277,31 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
         assert state.free_blocks == state.num_blocks
     finally:
         inner.step = real_step  # type: ignore[method-assign]
+        running.stop()
+        engine.shutdown()
+
+
+def test_a_request_without_a_token_within_max_queue_time_is_dropped(qwen3_dir: Path) -> None:
+    engine = start_engine(model=str(qwen3_dir), **ENGINE_SETTINGS)
+    config = ServerConfig(served_model_name=[MODEL], max_queue_time=0.5)
+    running = RunningServer(engine, config, attach_metrics(engine, config))
+    try:
+        with held_steps(engine) as release:
+            started = time.monotonic()
+            error = error_of(httpx.post(running.url + "/v1/completions", json=BODY, timeout=30), 503)
+            assert time.monotonic() - started >= 0.5
+            assert error["code"] == "queue_timeout" and "--max-queue-time" in str(error["message"])
+            streams: list[list[dict | str]] = []
+            _stream_events(running.url, BODY, streams)  # the stream has begun: the error comes as an event
+            [events] = streams
+            assert events[-1] == "[DONE]" and len(events) == 2 and events[0]["error"]["code"] == "queue_timeout"
+            release.set()
+            state = wait_until_idle(engine)
+            assert (state.groups, state.free_blocks) == (0, state.num_blocks)  # both were aborted
+        assert value(scrape(running.url), "request_rejected_total", reason="queue_timeout") == 2
+        answer = httpx.post(running.url + "/v1/completions", json=BODY, timeout=30)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+        wait_for(lambda: running.app.state.server.gate.in_flight == 0, timeout=5)
+    finally:
         running.stop()
         engine.shutdown()
