@@ -31,10 +31,19 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, dict[str, object]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message, param = _utf8(self.message), _utf8(self.param)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _utf8(text: str | None) -> str | None:
+    """`text` as UTF-8 can carry it: a lone surrogate a client sent (a model name, a logit_bias
+    key) is written out as its escape, instead of failing the response that reports it."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -81,27 +90,60 @@ def _union_prefix(loc: tuple[object, ...]) -> tuple[object, ...] | None:
 
 
 def _pick(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """The error to report. A union reports one error per member; the member that took the
-    value's type and refused its value (a negative token id, a fifth stop string) says the
-    most, then the member that got deepest into the value (the one bad item of a list)."""
+    """The error to report. A union reports the errors of every member; each member's first
+    error is where it gave up. The member that took the value's type and refused its value (a
+    negative token id, a fifth stop string) says the most, then the member that got deepest
+    into the value, then the one that got furthest along it (`[1, NaN]` is a list of token ids
+    that fails at item 1, not a list of strings that fails at item 0)."""
     first = errors[0]
     prefix = _union_prefix(tuple(first.get("loc", ())))
     if prefix is None:
         return first
+    stops: dict[tuple[object, ...], dict[str, Any]] = {}
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        if _union_prefix(loc) == prefix:
+            stops.setdefault(loc[: len(prefix) + 1], error)
 
-    def rank(error: dict[str, Any]) -> tuple[bool, int]:
+    def rank(error: dict[str, Any]) -> tuple[bool, int, tuple[int, ...]]:
+        loc = tuple(error.get("loc", ()))
         wrong_type = str(error.get("type", "")).endswith(("_type", "_parsing"))
-        return (not wrong_type, len(error.get("loc", ())))
+        return (not wrong_type, len(loc), tuple(p for p in loc if isinstance(p, int)))
 
     # max() keeps the first of equals: pydantic lists the members in the order declared.
-    return max((e for e in errors if _union_prefix(tuple(e.get("loc", ()))) == prefix), key=rank)
+    return max(stops.values(), key=rank)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def _json_kind(value: object) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+def _body_error(first: dict[str, Any], content_type: str | None) -> APIError | None:
+    """The body as a whole is wrong (empty, not an object, not JSON at all): say that, not
+    pydantic's words for it."""
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if tuple(first.get("loc", ())) != ("body",):
+        return None
+    if kind == "missing":
+        return invalid("the request body is empty: send a JSON object, with Content-Type: application/json")
+    given = first.get("input")
+    if isinstance(given, (bytes, bytearray)):
+        # FastAPI parses only a body declared as JSON; text/plain and form bodies are what any web
+        # page may send across origins without a CORS preflight, so they are never guessed at.
+        sent = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        return invalid(f"the request body must be JSON, sent with Content-Type: application/json (got {sent[:100]})")
+    return invalid(f"the request body must be a JSON object, not {_json_kind(given)}")
+
+
+def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
     """FastAPI's 422 becomes OpenAI's 400, naming the first offending parameter."""
     first = _pick(list(exc.errors()))
-    if first.get("type") == "json_invalid":
-        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    whole = _body_error(first, content_type)
+    if whole is not None:
+        return whole
     # Union members add their type names to the location; keep the field path only.
     path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(path) or None
@@ -111,13 +153,33 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return invalid(f"{param}: {detail}" if param else detail, param)
 
 
+def _unparsable_body(exc: StarletteHTTPException) -> APIError | None:
+    """FastAPI answers a body its JSON parser raised on (other than with a syntax error) with a
+    bare 400 "There was an error parsing the body"; the parser's own error says why."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None or exc.detail != "There was an error parsing the body":
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        reason = f"it is not UTF-8 text (byte {cause.object[cause.start:cause.start + 1]!r} at position {cause.start})"
+    elif isinstance(cause, RecursionError):
+        reason = "it is nested too deeply"
+    elif isinstance(cause, ValueError):  # e.g. an integer longer than Python's 4300-digit limit
+        reason = str(cause).split(";")[0]
+    else:
+        return None
+    return invalid(f"the request body is not valid JSON: {reason}")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        unparsable = _unparsable_body(exc)
+        if unparsable is not None:
+            return unparsable.response()
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path})"
         else:

@@ -10,19 +10,47 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from engine import InvalidRequestError, RequestOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+
+def _whole(value: object) -> object:
+    # 2.0 is the integer 2 to JSON Schema, and so to this server's own /openapi.json (and to
+    # clients that write every number as a float); 1.5, NaN and Infinity stay refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: strict (no "16", no true), except that a whole float is an integer.
+Int = Annotated[int, BeforeValidator(_whole)]
 # A token id: negative or huge values are caught here, the vocabulary bound by the engine.
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-StopList = Annotated[list[str], Field(max_length=4)]
+# (The bounds come before the validator, or pydantic leaves them out of the JSON schema.)
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_whole)]
+
+
+def _encodable(text: str) -> str:
+    # JSON's \ud800 escapes (and json's surrogatepass decoding of raw bytes) can deliver lone
+    # surrogates, which no tokenizer takes and no UTF-8 response can carry.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text, not a lone surrogate at position {exc.start}") from None
+    return text
+
+
+# Text the server tokenizes, renders or sends back.
+Text = Annotated[str, AfterValidator(_encodable)]
+StopList = Annotated[list[Text], Field(max_length=4)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON types as OpenAI checks them: no "16" for 16, no true for 1, no "yes" for true (strict;
+    # see Int for whole floats), and no NaN or Infinity, which Python's json parser accepts.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -33,13 +61,13 @@ class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    stop: str | StopList | None = None
+    n: Int = Field(1, ge=1, le=128)
+    stop: Text | StopList | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -69,28 +97,28 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=5)
     echo: bool = False
 
 
 class TextPart(_Request):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     def check(self) -> None:
@@ -101,7 +129,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(_Request):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
