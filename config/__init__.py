@@ -5,8 +5,9 @@ from config.engine_config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from config.server_config import ServeConfig, ServerConfig
 
-__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServeConfig", "ServerConfig"]
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServeConfig", "ServerConfig"]

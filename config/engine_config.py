@@ -71,10 +71,20 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)")
 
 
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="ranks (processes; one GPU each on GPU) that split every layer's heads and columns"
+    )
+    distributed_timeout: float = Field(
+        300.0, gt=0, description="seconds one collective may wait for the other ranks before the engine gives up"
+    )
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
@@ -98,7 +108,9 @@ class EngineConfig(_Strict):
         return max_len
 
 
-ENGINE_SECTIONS: dict[str, type[BaseModel]] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+ENGINE_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+}
 
 
 def build_sections(sections: dict[str, type[BaseModel]], kwargs: dict[str, object]) -> dict[str, BaseModel]:

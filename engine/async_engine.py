@@ -80,6 +80,8 @@ class AsyncEngine:
         # Called on the engine thread after every iteration, idle ones included (metrics).
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        # A tensor-parallel worker's death wakes an idle thread, whose check_health() fails.
+        engine.executor.on_failure = lambda: self._inbox.put(_WAKE)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -95,11 +97,13 @@ class AsyncEngine:
         return self._accepting and self.thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread; requests still in flight end with finish_reason 'abort'."""
+        """Stop the thread (requests still in flight end with finish_reason 'abort'), then the
+        engine's worker processes, if any."""
         self._stopping.set()
         self._inbox.put(_WAKE)
         if self.thread.is_alive():
             self.thread.join(timeout)
+        self.engine.close()
 
     # ----------------------------------------------------------------- asyncio side
 
@@ -141,6 +145,7 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                self.engine.check_health()
                 outputs = []
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
                     outputs = self.engine.step()

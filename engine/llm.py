@@ -22,6 +22,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -13,18 +13,19 @@ from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_input import build_model_input
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.model_input import build_step_batch
+from engine.model_loader import load_hf_config, resolve_dtype, resolve_model_path
+from engine.model_runner import kv_bytes_per_block
 from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
 from engine.outputs import RequestOutput
+from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
+from engine.parallel.shard import check_shardable
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, FinishedRequest
 from engine.tokenization import encode
-from kernels.attention import select_attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +47,22 @@ def context_limit(hf_config) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded: LoadedModel = load_model(config.model)
-        self.tokenizer = loaded.tokenizer
-        self.hf_config = loaded.hf_config
-        self.model_path = loaded.path
+        tp_size = config.parallel.tensor_parallel_size
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        check_shardable(self.hf_config, tp_size)  # before any process starts
         self.vocab_size = int(self.hf_config.vocab_size)
         cache = config.cache
+        dtype = resolve_dtype(config.model.dtype, self.hf_config, torch.device(config.model.device))
         num_blocks = cache.num_kv_blocks or max(
-            1, int(cache.kv_cache_memory_gib * 2**30) // kv_bytes_per_block(self.hf_config, cache.block_size, loaded.dtype)
+            1, int(cache.kv_cache_memory_gib * 2**30) // kv_bytes_per_block(self.hf_config, cache.block_size, dtype, tp_size)
         )
         model_limit = context_limit(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit, num_blocks)
         self.block_size = cache.block_size
-        backend = select_attention_backend(config.model.attention_backend, config.model.device)
-        self.runner = ModelRunner(loaded.model, backend, num_blocks, cache.block_size, self.max_model_len)
+        executor = TensorParallelExecutor if tp_size > 1 else LocalExecutor
+        self.executor: LocalExecutor | TensorParallelExecutor = executor(config, num_blocks, self.max_model_len)
+        self.tokenizer = self.executor.loaded.tokenizer
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
@@ -164,6 +167,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker is gone)."""
+        self.executor.check()
+
+    def close(self) -> None:
+        """Stop the worker processes, if any; the engine cannot step afterwards."""
+        self.executor.close()
+
     # ----------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
@@ -176,12 +187,12 @@ class LLMEngine:
             group = self.groups[s.request.group_id]
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
-        inp = build_model_input(out, self.block_size, self.runner.device)
-        logits = self.runner.execute(inp)
+        batch = build_step_batch(out, self.block_size)
+        logits = self.executor.execute(batch.host)
 
         rows: list[torch.Tensor] = []
         to_sample: list[Request] = []
-        for s, (first, count) in zip(out.scheduled, inp.logits_rows):
+        for s, (first, count) in zip(out.scheduled, batch.logits_rows):
             request = s.request
             if request.wants_prompt_logprobs:
                 self._record_prompt_logprobs(request, logits[first : first + count])

@@ -1,4 +1,8 @@
-"""Flatten one scheduled step into the varlen batch the model runs on."""
+"""Flatten one scheduled step into the varlen batch the model runs on.
+
+`HostBatch` is the step on the host, in plain integers; it packs into one int64 tensor (the
+form it travels in to other tensor-parallel ranks) and moves to the device as `ModelInput`.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +20,74 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # rows whose logits are needed, in request order
-    # Per scheduled request, its rows in the logits: (first, count); count 0 when none.
-    logits_rows: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
 
 
-def build_model_input(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
+@dataclass
+class HostBatch:
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32 on the host, padded with 0
+    logits_indices: list[int]
+    block_copies: list[tuple[int, int]]
+
+    def pack(self) -> torch.Tensor:
+        """Everything in one int64 tensor: a header of lengths, then each field in order."""
+        reqs, width = self.block_tables.shape
+        header = [len(self.input_ids), reqs, width, len(self.logits_indices), len(self.block_copies)]
+        copies = [i for pair in self.block_copies for i in pair]
+        body = [*header, *self.input_ids, *self.positions, *self.slots, *self.query_lens, *self.context_lens,
+                *self.logits_indices, *copies]
+        return torch.cat([torch.tensor(body, dtype=torch.int64), self.block_tables.flatten().long()])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> HostBatch:
+        tokens, reqs, width, logits, copies = packed[:5].tolist()
+        values = packed.tolist()
+        at = 5
+
+        def take(n: int) -> list[int]:
+            nonlocal at
+            at += n
+            return values[at - n : at]
+
+        input_ids, positions, slots = take(tokens), take(tokens), take(tokens)
+        query_lens, context_lens = take(reqs), take(reqs)
+        logits_indices, pairs = take(logits), take(2 * copies)
+        tables = packed[at : at + reqs * width].view(reqs, width).to(torch.int32)
+        return cls(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices,
+                   list(zip(pairs[::2], pairs[1::2])))
+
+    def to_device(self, device: torch.device) -> ModelInput:
+        cu = [0]
+        for n in self.query_lens:
+            cu.append(cu[-1] + n)
+
+        def dev(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=dev(self.slots),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            cu_seqlens_q=dev(cu, torch.int32),
+            seqlens_k=dev(self.context_lens, torch.int32),
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+        )
+        return ModelInput(dev(self.input_ids), dev(self.positions), attn, dev(self.logits_indices), self.block_copies)
+
+
+@dataclass
+class StepBatch:
+    host: HostBatch
+    # Per scheduled request, its rows in the logits: (first, count); count 0 when none.
+    logits_rows: list[tuple[int, int]]
+
+
+def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -51,26 +117,5 @@ def build_model_input(out: SchedulerOutput, block_size: int, device: torch.devic
     tables = torch.zeros((len(out.scheduled), max(max_blocks, 1)), dtype=torch.int32)
     for i, s in enumerate(out.scheduled):
         tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-
-    def dev(values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    attn = AttentionMetadata(
-        slot_mapping=dev(slots),
-        block_tables=tables.to(device, non_blocking=True),
-        cu_seqlens_q=dev(cu, torch.int32),
-        seqlens_k=dev(context_lens, torch.int32),
-        query_lens=query_lens,
-        context_lens=context_lens,
-    )
-    return ModelInput(
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        attn=attn,
-        logits_indices=dev(logits_indices),
-        logits_rows=logits_rows,
-        block_copies=out.block_copies,
-    )
+    host = HostBatch(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices, out.block_copies)
+    return StepBatch(host, logits_rows)

@@ -14,8 +14,9 @@ from safetensors import safe_open
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import CheckpointTensor, LlamaForCausalLM
 from engine.models.registry import resolve_architecture
+from engine.parallel.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if declared == torch.float32 else declared
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint."""
+def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as a lazy
+    slice: a tensor-parallel rank reads only the part it indexes."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -85,10 +87,11 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key)
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, shard: Shard = Shard()) -> LoadedModel:
+    """The model (this rank's shard of it), its config and tokenizer."""
     path = resolve_model_path(config)
     hf_config = load_hf_config(path)
     architecture = resolve_architecture(hf_config)
@@ -96,9 +99,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = LlamaForCausalLM(hf_config, shard)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(iter_safetensors(path))
     model.eval()
-    log.info("loaded %s (%s, %s) from %s", architecture, dtype, device, path)
+    where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
+    log.info("loaded %s (%s, %s%s) from %s", architecture, dtype, device, where, path)
     return LoadedModel(path, hf_config, tokenizer, model, dtype)

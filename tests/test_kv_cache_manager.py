@@ -404,7 +404,7 @@ def prefill(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tup
 
 def prompt_kv(engine: LLMEngine, table: list[int], length: int) -> list[torch.Tensor]:
     """Every layer's K and V for the first `length` positions, read through a block table."""
-    return [cache[table].flatten(0, 1)[:length].clone() for layer in engine.runner.kv_caches for cache in layer]
+    return [cache[table].flatten(0, 1)[:length].clone() for layer in engine.executor.runner.kv_caches for cache in layer]
 
 
 def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Path) -> None:

@@ -4,11 +4,18 @@ The differences are switches read from the Hugging Face config: q/k/v bias (Qwen
 `attention_bias`), per-head q/k RMSNorm (Qwen3), the RoPE variant, tied embeddings. The model
 works on one flattened varlen batch (no padding, no batch dimension); attention reads and writes
 the paged KV cache through the backend.
+
+Under tensor parallelism (`Shard`) each rank builds the same model with its slice of every
+layer: q/k/v by heads and gate/up by columns (column-parallel, no communication), o and down
+by rows (row-parallel, then an all-reduce), the embedding and LM head by vocabulary (an
+all-reduce after the lookup, the logits gathered on rank 0). `load_weights` reads only this
+rank's slices from the checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +23,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.parallel.shard import Shard, all_reduce, gather_columns
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 
@@ -32,18 +40,54 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across ranks: each rank's product is a
+    partial sum, added up by an all-reduce; the bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight), self.shard)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous block of vocabulary rows (padded with zero rows so that
+    the blocks are equal); a token outside this rank's block contributes zeros to the sum."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.vocab_start, self.rows = shard.split_padded(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.rows)
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(x, self.shard)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int) -> None:
+    def __init__(self, cfg, layer_idx: int, shard: Shard) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
+        self.q_head0, self.num_heads = shard.split(cfg.num_attention_heads)
+        self.kv_head0, self.num_kv_heads = shard.kv_heads(cfg.num_key_value_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False)), shard)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -64,14 +108,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, shard: Shard) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.column0, self.intermediate = shard.split(cfg.intermediate_size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -79,12 +123,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int) -> None:
+    def __init__(self, cfg, layer_idx: int, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -102,15 +146,16 @@ class ForwardContext:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, shard: Shard = Shard()) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.shard = shard
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.rows, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int) -> None:
@@ -134,15 +179,23 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, ctx)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits over the vocabulary; under tensor parallelism on rank 0 only (None on
+        the others). Every rank must call it with the same number of rows."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return gather_columns(F.linear(hidden, weight).float(), self.shard, self.config.vocab_size)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be set."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up and reading only this
+        rank's slice of each; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        if self.embed_tokens.vocab_start + self.embed_tokens.rows > self.config.vocab_size:
+            # The last ranks' padding rows: never read from the checkpoint, they must be zeros.
+            for name in ("embed_tokens.weight", "lm_head.weight"):
+                if name in params:
+                    params[name].data.zero_()
+        for hf_name, source in weights:
             target = _map_name(hf_name)
             if target is None or (target[0] == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -150,10 +203,13 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
             param = params[name]
+            tensor = self._read_slice(name, offset_of, source)
             rows = slice(None)
             if offset_of is not None:
                 start = self._fused_offset(name, offset_of)
                 rows = slice(start, start + tensor.shape[0])
+            elif name in ("embed_tokens.weight", "lm_head.weight"):
+                rows = slice(0, tensor.shape[0])  # the rest is padding
             with torch.no_grad():
                 dst = param.data[rows]
                 if dst.shape != tensor.shape:
@@ -165,10 +221,40 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
+    def _read_slice(self, name: str, part: str | None, source: CheckpointTensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor: (dim, first, count) by the layer it feeds."""
+        if self.shard.size == 1:
+            return source[:]
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        d = attn.head_dim
+        if part == "q":
+            dim, first, count = 0, attn.q_head0 * d, attn.q_size
+        elif part in ("k", "v"):
+            dim, first, count = 0, attn.kv_head0 * d, attn.kv_size
+        elif part in ("gate", "up"):
+            dim, first, count = 0, mlp.column0, mlp.intermediate
+        elif name.endswith("o_proj.weight"):
+            dim, first, count = 1, attn.q_head0 * d, attn.q_size
+        elif name.endswith("down_proj.weight"):
+            dim, first, count = 1, mlp.column0, mlp.intermediate
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
+            vocab = self.config.vocab_size
+            first = min(self.embed_tokens.vocab_start, vocab)
+            dim, count = 0, min(self.embed_tokens.rows, vocab - first)
+        else:  # norms, row-parallel biases: every rank holds them whole
+            return source[:]
+        return source[first : first + count] if dim == 0 else source[:, first : first + count]
+
     def _fused_offset(self, name: str, part: str) -> int:
         attn = self.layers[0].self_attn
         mlp = self.layers[0].mlp
         return {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size, "gate": 0, "up": mlp.intermediate}[part]
+
+
+class CheckpointTensor(Protocol):
+    """A tensor, or safetensors' lazy slice of one: indexing reads only the indexed part."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
 def head_dim_of(cfg) -> int:

@@ -1,0 +1,161 @@
+"""Who runs the model for the engine: this process alone (`LocalExecutor`), or rank 0 here plus
+spawned workers for ranks 1..N-1 (`TensorParallelExecutor`). Either way the engine hands over a
+step's `HostBatch` and gets the logits back; the scheduler, block manager and sampler never
+learn that ranks exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model_input import HostBatch
+from engine.model_runner import build_runner
+from engine.parallel.shard import Shard
+from engine.parallel.worker import STOP, join_group, worker_main
+
+log = logging.getLogger(__name__)
+
+JOIN_SECONDS = 10.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone: no step can run any more."""
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.loaded, self.runner = build_runner(config, Shard(), num_blocks, max_model_len)
+        self.on_failure: Callable[[], None] | None = None  # never called: nothing here can die alone
+
+    def execute(self, batch: HostBatch) -> torch.Tensor:
+        logits = self.runner.execute(batch.to_device(self.runner.device))
+        assert logits is not None
+        return logits
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: mp.process.BaseProcess
+    conn: Connection
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        size = config.parallel.tensor_parallel_size
+        port = _free_port()
+        context = mp.get_context("spawn")  # a fork would copy this process's threads and locks
+        self.workers: list[_Worker] = []
+        self.failure: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # called on the monitor thread
+        self._closing = False
+        for rank in range(1, size):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=worker_main, args=(config.model_dump_json(), rank, port, num_blocks, max_model_len, child),
+                name=f"pagedserve-tp{rank}", daemon=True,
+            )
+            process.start()
+            child.close()
+            self.workers.append(_Worker(rank, process, parent))
+        try:
+            self.loaded, self.runner = build_runner(config, Shard(0, size), num_blocks, max_model_len)
+            self._wait_until_loaded()
+        except BaseException:
+            self._stop_workers()
+            raise
+        join_group(config, 0, port)
+        log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
+        self._monitor = threading.Thread(target=self._watch, name="pagedserve-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    def _wait_until_loaded(self) -> None:
+        """Every worker's shard loaded, or the first failure raised (a worker that died or
+        could not load its shard), so start-up never waits on a worker that will not come."""
+        pending = {w.conn: w for w in self.workers}
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        while pending:
+            for ready in wait([*pending, *sentinels]):
+                if ready in pending:
+                    worker = pending.pop(ready)  # type: ignore[index]
+                    try:
+                        message = worker.conn.recv()
+                    except EOFError:
+                        message = f"exited with status {worker.process.join(JOIN_SECONDS) or worker.process.exitcode}"
+                    if message != "loaded":
+                        raise ModelLoadError(f"tensor-parallel rank {worker.rank} failed to start: {message}")
+                elif sentinels[ready].conn in pending:  # type: ignore[index]
+                    worker = sentinels[ready]  # type: ignore[index]
+                    if not worker.conn.poll():
+                        raise ModelLoadError(f"tensor-parallel rank {worker.rank} exited with status "
+                                             f"{worker.process.exitcode} while loading")
+
+    def _watch(self) -> None:
+        wait([w.process.sentinel for w in self.workers])
+        if self._closing:
+            return
+        dead = [w for w in self.workers if not w.process.is_alive()]
+        self.failure = ", ".join(f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}" for w in dead)
+        log.error("%s", self.failure)
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def execute(self, batch: HostBatch) -> torch.Tensor:
+        self.check()
+        packed = batch.pack().numpy().tobytes()
+        try:
+            for worker in self.workers:
+                worker.conn.send_bytes(packed)
+        except OSError as exc:  # a worker's end of the pipe is closed: it is gone
+            raise WorkerDiedError(f"tensor-parallel rank {worker.rank} is gone: {exc}") from None
+        logits = self.runner.execute(batch.to_device(self.runner.device))
+        assert logits is not None
+        return logits
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(STOP)
+            except OSError:
+                pass
+        for worker in self.workers:
+            worker.process.join(JOIN_SECONDS)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()

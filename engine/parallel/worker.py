@@ -1,0 +1,63 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load this rank's shard, then run every step
+that rank 0 sends, taking part in the layers' collectives, until told to stop or rank 0 is gone.
+
+Steps arrive over a pipe from rank 0 as packed `HostBatch` bytes: a worker idle for hours just
+waits on its pipe (a collective would time out), and when rank 0's process dies the pipe's EOF
+ends the worker too, so no orphan is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from config import EngineConfig
+from engine.model_input import HostBatch
+from engine.parallel.shard import Shard
+
+log = logging.getLogger(__name__)
+
+STOP = b""
+
+
+def join_group(config: EngineConfig, rank: int, port: int) -> None:
+    size = config.parallel.tensor_parallel_size
+    cuda = config.model.device.startswith("cuda")  # then rank r runs on cuda:r (build_runner)
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:  # ranks on one CPU share its cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=timedelta(seconds=config.parallel.distributed_timeout),
+    )
+
+
+def worker_main(config_json: str, rank: int, port: int, num_blocks: int, max_model_len: int, conn: Connection) -> None:
+    from engine.model_runner import build_runner  # the heavy imports happen in the child
+
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    config = EngineConfig.model_validate_json(config_json)
+    try:
+        _, runner = build_runner(config, Shard(rank, config.parallel.tensor_parallel_size), num_blocks, max_model_len)
+    except BaseException as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    conn.send("loaded")
+    join_group(config, rank, port)
+    try:
+        while True:
+            try:
+                packed = conn.recv_bytes()
+            except EOFError:  # rank 0 is gone
+                raise SystemExit(1) from None
+            if packed == STOP:
+                break
+            batch = HostBatch.unpack(torch.frombuffer(bytearray(packed), dtype=torch.int64))
+            runner.execute(batch.to_device(runner.device))
+    finally:
+        dist.destroy_process_group()
