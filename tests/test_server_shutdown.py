@@ -87,7 +87,8 @@ class Stream:
 
     @property
     def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]]
+        chunks = [e for e in self.events if isinstance(e, dict) and "choices" in e]  # not the error event
+        return [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
 
 
 def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:

@@ -27,6 +27,7 @@ from engine.parallel.worker import STOP, join_group, worker_main
 log = logging.getLogger(__name__)
 
 JOIN_SECONDS = 10.0
+DEATH_NOTICE_SECONDS = 2.0  # for a peer's exit to show after its connection broke
 
 
 class WorkerDiedError(RuntimeError):
@@ -117,11 +118,19 @@ class TensorParallelExecutor:
         wait([w.process.sentinel for w in self.workers])
         if self._closing:
             return
-        dead = [w for w in self.workers if not w.process.is_alive()]
-        self.failure = ", ".join(f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}" for w in dead)
-        log.error("%s", self.failure)
+        log.error("%s", self._describe_dead())
         if self.on_failure is not None:
             self.on_failure()
+
+    def _describe_dead(self, timeout: float = 0.0) -> str | None:
+        """Which workers are gone (waiting up to `timeout` for one to be); None if none is."""
+        ended = wait([w.process.sentinel for w in self.workers], timeout)
+        dead = [w for w in self.workers if w.process.sentinel in ended]
+        for worker in dead:
+            worker.process.join(JOIN_SECONDS)  # reaped, so that its exit status is known
+        if dead:
+            self.failure = ", ".join(f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}" for w in dead)
+        return self.failure
 
     def check(self) -> None:
         if self.failure is not None:
@@ -135,7 +144,13 @@ class TensorParallelExecutor:
                 worker.conn.send_bytes(packed)
         except OSError as exc:  # a worker's end of the pipe is closed: it is gone
             raise WorkerDiedError(f"tensor-parallel rank {worker.rank} is gone: {exc}") from None
-        logits = self.runner.execute(batch.to_device(self.runner.device))
+        try:
+            logits = self.runner.execute(batch.to_device(self.runner.device))
+        except Exception as exc:
+            # A collective fails when a peer dies: name the rank rather than the socket error.
+            if self._describe_dead(timeout=DEATH_NOTICE_SECONDS) is not None:
+                raise WorkerDiedError(self.failure) from exc
+            raise
         assert logits is not None
         return logits
 
