@@ -4,12 +4,14 @@ free KV blocks) after talking to it over real HTTP."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -59,6 +61,58 @@ class RunningServer:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), f"the server did not stop within {timeout} s"
         return self._server.exit_code
+
+
+# --------------------------------------------------------------------------- a tiny server
+
+MAX_MODEL_LEN = 64
+NUM_KV_BLOCKS = 64
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+# The tiny model's tokenizer has no chat template; this one (Llama-3's layout, every role passed
+# through as real templates do) lets chat requests reach the engine.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def chat_tokenizer_dir(model_dir: Path, folder: Path) -> Path:
+    """The model's tokenizer files with a chat template added, in a folder of their own."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            (folder / name).write_bytes((model_dir / name).read_bytes())
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+def start_tiny_server(model_dir: Path, tokenizer_dir: Path) -> tuple[AsyncEngine, RunningServer]:
+    """The tiny Llama with a 64-token context: no request can generate more than 64 tokens."""
+    engine = start_engine(
+        model=str(model_dir), tokenizer=str(chat_tokenizer_dir(model_dir, tokenizer_dir)),
+        num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
+    )
+    try:
+        return engine, RunningServer(engine, ServerConfig())
+    except BaseException:
+        engine.shutdown()
+        raise
+
+
+def assert_openai_error(body: Any) -> dict[str, Any]:
+    """`body` is exactly OpenAI's error object: one key, the four error keys, typed; the inner object."""
+    assert isinstance(body, dict) and list(body) == ["error"], body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == ERROR_KEYS, error
+    assert isinstance(error["message"], str) and error["message"].strip(), error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+    return error
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import attach_metrics
-from tests.server_harness import RunningServer, start_engine, wait_until_idle
+from tests.server_harness import RunningServer, assert_openai_error, start_engine, wait_until_idle
 from tests.test_metrics import MODEL, scrape, value
 
 ENGINE_SETTINGS = {"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 8}
@@ -71,9 +71,7 @@ def wait_for(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyp
 
 def error_of(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
+    return assert_openai_error(response.json())
 
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -26,8 +26,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.schemas import BaseSchema
 
 from engine.async_engine import AsyncEngine
-from tests.server_harness import RunningServer, wait_until_idle
-from tests.test_server_hostile_input import NUM_KV_BLOCKS, assert_openai_error, start_tiny_server
+from tests.server_harness import NUM_KV_BLOCKS, RunningServer, assert_openai_error, start_tiny_server, wait_until_idle
 
 EXAMPLES_PER_ROUTE = 40  # per generation mode
 REQUEST_TIMEOUT = 60.0  # seconds; a request that takes longer is a hang, not a slow answer
