@@ -46,12 +46,12 @@ def _generate(args: dict[str, object], parser: argparse.ArgumentParser) -> None:
     if not prompts_given and not chats:
         parser.error("give at least one --prompt or --chat")
     config_file = args.pop("config")
-    llm = LLM(**merge(args, os.environ, config_file, ENGINE_SECTIONS))  # type: ignore[arg-type]
-    prompts: list[str | list[int]] = list(prompts_given)
-    prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in chats]
-    for output in llm.generate(prompts, params):
-        shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
-        print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
+    with LLM(**merge(args, os.environ, config_file, ENGINE_SECTIONS)) as llm:  # type: ignore[arg-type]
+        prompts: list[str | list[int]] = list(prompts_given)
+        prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in chats]
+        for output in llm.generate(prompts, params):
+            shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
+            print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
 
 
 def main(argv: list[str] | None = None) -> int:
