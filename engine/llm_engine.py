@@ -16,6 +16,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_input import build_step_batch
 from engine.model_loader import load_hf_config, resolve_dtype, resolve_model_path
 from engine.model_runner import kv_bytes_per_block
+from engine.models.registry import resolve_architecture
 from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
 from engine.outputs import RequestOutput
 from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
@@ -50,6 +51,7 @@ class LLMEngine:
         tp_size = config.parallel.tensor_parallel_size
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
+        resolve_architecture(self.hf_config)  # refuse what we cannot run before sizing anything
         check_shardable(self.hf_config, tp_size)  # before any process starts
         self.vocab_size = int(self.hf_config.vocab_size)
         cache = config.cache
