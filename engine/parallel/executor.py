@@ -94,25 +94,16 @@ class TensorParallelExecutor:
         self._monitor.start()
 
     def _wait_until_loaded(self) -> None:
-        """Every worker's shard loaded, or the first failure raised (a worker that died or
-        could not load its shard), so start-up never waits on a worker that will not come."""
-        pending = {w.conn: w for w in self.workers}
-        sentinels = {w.process.sentinel: w for w in self.workers}
-        while pending:
-            for ready in wait([*pending, *sentinels]):
-                if ready in pending:
-                    worker = pending.pop(ready)  # type: ignore[index]
-                    try:
-                        message = worker.conn.recv()
-                    except EOFError:
-                        message = f"exited with status {worker.process.join(JOIN_SECONDS) or worker.process.exitcode}"
-                    if message != "loaded":
-                        raise ModelLoadError(f"tensor-parallel rank {worker.rank} failed to start: {message}")
-                elif sentinels[ready].conn in pending:  # type: ignore[index]
-                    worker = sentinels[ready]  # type: ignore[index]
-                    if not worker.conn.poll():
-                        raise ModelLoadError(f"tensor-parallel rank {worker.rank} exited with status "
-                                             f"{worker.process.exitcode} while loading")
+        """Every worker's shard loaded, or the first failure raised: a worker that dies first
+        closes its end of the pipe, so start-up never waits on one that will not come."""
+        for worker in self.workers:
+            try:
+                message = worker.conn.recv()
+            except EOFError:
+                worker.process.join(JOIN_SECONDS)
+                message = f"exited with status {worker.process.exitcode}"
+            if message != "loaded":
+                raise ModelLoadError(f"tensor-parallel rank {worker.rank} failed to start: {message}")
 
     def _watch(self) -> None:
         wait([w.process.sentinel for w in self.workers])
