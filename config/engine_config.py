@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AttentionBackendName = Literal["auto", "torch"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 

@@ -1,0 +1,100 @@
+"""Causal attention over the paged KV cache for one varlen step: decode rows, prefill chunks and
+chunks that follow a cached prefix, in one kernel.
+
+A program takes BLOCK_M query rows of one request and one query head; it walks the request's
+context in tiles of BLOCK_N keys (each key found through the block table: any power-of-two
+block size works), with an online softmax, and stops at the last key its rows may see. A
+query row at index r of a chunk of q_len rows sits at position context_len - q_len + r.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, seqlens_k_ptr,
+    scale,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_table,
+    QUERIES_PER_KV: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; "tf32" for half types (unused by them)
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        ctx_len = tl.load(seqlens_k_ptr + req)
+        kv_head = head // QUERIES_PER_KV
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < q_len
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q_pos = ctx_len - q_len + offs_m
+        # The last row of this tile sees keys up to its own position.
+        hi = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_M)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < hi
+            block = tl.load(block_tables_ptr + req * stride_table + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+            kv = slot[:, None] * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+            k = tl.load(k_cache_ptr + kv, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv, mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [num_reqs + 1] int32
+    seqlens_k: torch.Tensor,  # [num_reqs] int32
+    max_query_len: int,  # from the host, so that launching needs no device sync
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    num_tokens, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert dim & (dim - 1) == 0 and dim >= 16, f"head_dim {dim}: a power of two >= 16"
+    out = torch.empty_like(q) if out is None else out
+    num_reqs = seqlens_k.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    block_m = 16
+    block_n = 64 if dim <= 128 else 32  # keeps a K and a V tile in registers at head_dim 256
+    grid = (triton.cdiv(max_query_len, block_m), heads, num_reqs)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seqlens_k, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        QUERIES_PER_KV=heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
