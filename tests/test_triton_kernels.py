@@ -1,7 +1,7 @@
 """The Triton kernels (under Triton's interpreter on a CPU) against the torch reference, float32:
 the KV store with padded slots and strided rows, and paged attention for decode rows with ragged
 context lengths, prefill chunks, and chunks that follow a cached prefix, mixed in one step;
-GQA ratios 1, 4 and 8, head dims 64 and 128, block sizes 16 and 256. Then how the backend is
+GQA ratios 1, 4 and 8, head dims 64 and 128 (and 256, 96, 8), block sizes 16 and 256. Then how the backend is
 chosen, and the whole engine on the Triton backend: the torch backend's greedy tokens."""
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ SHAPES = [(1, 1), (37, 1), (300, 1), (16, 1), (23, 23), (40, 17), (150, 70), (29
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_paged_attention_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+    check_against_reference(heads, kv_heads, dim, block_size)
+
+
+@pytest.mark.parametrize("dim", [256, 96, 8])
+def test_other_head_dims(dim: int) -> None:
+    """256 (Gemma-sized), and sizes that are not powers of two or below a tile's side."""
+    check_against_reference(8, 2, dim, 32)
+
+
+def check_against_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
     seed = hash((heads, kv_heads, dim, block_size)) % 2**31
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     shapes = rng.sample(SHAPES, len(SHAPES))  # decodes and chunks interleaved in the batch

@@ -23,6 +23,7 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (80, 96: masked lanes)
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -37,25 +38,26 @@ def _paged_attention_kernel(
         ctx_len = tl.load(seqlens_k_ptr + req)
         kv_head = head // QUERIES_PER_KV
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.arange(0, BLOCK_D)
+        dim_ok = offs_d < HEAD_DIM
         row_ok = offs_m < q_len
         rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = ctx_len - q_len + offs_m
         # The last row of this tile sees keys up to its own position.
         hi = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_M)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for start in range(0, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < hi
             block = tl.load(block_tables_ptr + req * stride_table + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
             kv = slot[:, None] * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-            k = tl.load(k_cache_ptr + kv, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv, mask=key_ok[:, None], other=0.0)
+            k = tl.load(k_cache_ptr + kv, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where((offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,7 +68,7 @@ def _paged_attention_kernel(
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def paged_attention(
@@ -83,18 +85,18 @@ def paged_attention(
     num_tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert dim & (dim - 1) == 0 and dim >= 16, f"head_dim {dim}: a power of two >= 16"
     out = torch.empty_like(q) if out is None else out
     num_reqs = seqlens_k.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     block_m = 16
-    block_n = 64 if dim <= 128 else 32  # keeps a K and a V tile in registers at head_dim 256
+    block_d = max(16, triton.next_power_of_2(dim))  # tl.dot wants every side >= 16
+    block_n = 64 if block_d <= 128 else 32  # keeps a K and a V tile in registers at head_dim 256
     grid = (triton.cdiv(max_query_len, block_m), heads, num_reqs)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seqlens_k, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        QUERIES_PER_KV=heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size,
+        QUERIES_PER_KV=heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
