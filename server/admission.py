@@ -22,6 +22,10 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_SECONDS = 1
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="service_unavailable")
+
+
 @dataclass
 class Ticket:
     """One admitted request; `start()` when its first token arrives."""
@@ -52,7 +56,7 @@ class Gate:
         check-and-count cannot race."""
         if self.draining:
             self._reject("shutting_down")
-            raise APIError(503, "the server is shutting down", type="service_unavailable")
+            raise shutting_down()
         if self.max_waiting is not None and self.waiting >= self.max_waiting:
             self._reject("queue_full")
             raise APIError(

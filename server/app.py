@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from config import ServerConfig
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.tokenization import encode
-from server.admission import AdmissionMiddleware
+from server.admission import AdmissionMiddleware, shutting_down
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.chat import create_chat_completion
@@ -112,7 +112,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics
         if not engine.is_alive:
             return unavailable().response()
         if state.gate.draining:  # so that load balancers stop sending requests here
-            return APIError(503, "the server is shutting down", type="service_unavailable").response()
+            return shutting_down().response()
         return Response(status_code=200)
 
     @app.get("/version")
