@@ -7,6 +7,7 @@ still gives every request the tokens a large pool gives."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -39,8 +40,6 @@ class StreamResult:
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamResult:
-    import json
-
     result = StreamResult()
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200, await response.aread()
