@@ -45,8 +45,8 @@ class HostBatch:
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> HostBatch:
-        tokens, reqs, width, logits, copies = packed[:5].tolist()
         values = packed.tolist()
+        tokens, reqs, width, logits, copies = values[:5]
         at = 5
 
         def take(n: int) -> list[int]:

@@ -55,10 +55,10 @@ class Gate:
         """A ticket for a new request, or the 503 that refuses it. Runs on the event loop, so
         check-and-count cannot race."""
         if self.draining:
-            self._reject("shutting_down")
+            self.reject("shutting_down")
             raise shutting_down()
         if self.max_waiting is not None and self.waiting >= self.max_waiting:
-            self._reject("queue_full")
+            self.reject("queue_full")
             raise APIError(
                 503, f"the server is at its limit of {self.max_waiting} waiting requests (--max-waiting-requests): "
                 f"retry after {RETRY_AFTER_SECONDS} s", type="service_unavailable", code="queue_full",
@@ -78,11 +78,8 @@ class Gate:
         """Until no admitted request is left in flight."""
         await self._idle.wait()
 
-    def dropped(self, reason: str) -> None:
-        """An admitted request given up on (it waited too long): counted like a refusal."""
-        self._reject(reason)
-
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
+        """Count a refusal: at the gate, or of an admitted request given up on (too long a wait)."""
         if self.on_reject is not None:
             self.on_reject(reason)
 

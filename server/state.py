@@ -88,7 +88,7 @@ class ServerState:
         try:
             return await asyncio.wait_for(anext(outputs), limit)  # a timeout cancels it: the request is aborted
         except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-            self.gate.dropped("queue_timeout")
+            self.gate.reject("queue_timeout")
             raise APIError(503, f"no token within this server's limit of {limit:g} s (--max-queue-time)",
                            type="service_unavailable", code="queue_timeout") from None
 

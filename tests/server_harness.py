@@ -9,7 +9,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +165,53 @@ def wait_until_answering(url: str, process: subprocess.Popen, log: Path, timeout
             pass
         assert time.monotonic() < deadline, f"{url} did not answer within {timeout:.0f} s"
         time.sleep(0.2)
+
+
+@dataclass
+class Stream:
+    """One streaming completion read on its own thread."""
+
+    url: str
+    body: dict
+    events: list[dict | str] = field(default_factory=list)
+    error: BaseException | None = None
+    first_event: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json={**self.body, "stream": True}, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.first_event.set()
+        except BaseException as exc:  # a server that exits at once cuts the stream
+            self.error = exc
+            self.first_event.set()
+
+    def join(self, timeout: float) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        chunks = [e for e in self.events if isinstance(e, dict) and "choices" in e]  # not the error event
+        return [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+
+
+def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        response = httpx.get(url, timeout=5)
+        if response.status_code == status:
+            return response
+        assert time.monotonic() < deadline, f"{url} still answers {response.status_code}"
+        time.sleep(0.05)

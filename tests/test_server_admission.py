@@ -10,7 +10,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,46 +20,38 @@ import pytest
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import attach_metrics
-from tests.server_harness import RunningServer, assert_openai_error, start_engine, wait_until_idle
+from tests.server_harness import RunningServer, Stream, assert_openai_error, start_engine, wait_until_idle
 from tests.test_metrics import MODEL, scrape, value
 
 ENGINE_SETTINGS = {"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 8}
 
 
 @contextmanager
-def held_steps(engine: AsyncEngine) -> Iterator[threading.Event]:
-    """A test-only hook: engine steps wait until the event is set, so requests stay queued."""
-    inner = engine.engine
-    real_step = inner.step
-    release = threading.Event()
-
-    def held_step():  # type: ignore[no-untyped-def]
-        release.wait(60)
-        return real_step()
-
-    inner.step = held_step  # type: ignore[method-assign]
-    try:
-        yield release
-    finally:
-        release.set()
-        inner.step = real_step  # type: ignore[method-assign]
-
-
-@contextmanager
-def slow_steps(engine: AsyncEngine, seconds: float) -> Iterator[None]:
-    """A test-only hook: every step takes at least `seconds`, so generations last a while."""
+def before_each_step(engine: AsyncEngine, hook: Callable[[], None]) -> Iterator[None]:
+    """A test-only hook: `hook` runs on the engine thread before every step."""
     inner = engine.engine
     real_step = inner.step
 
-    def slow_step():  # type: ignore[no-untyped-def]
-        time.sleep(seconds)
+    def hooked_step():  # type: ignore[no-untyped-def]
+        hook()
         return real_step()
 
-    inner.step = slow_step  # type: ignore[method-assign]
+    inner.step = hooked_step  # type: ignore[method-assign]
     try:
         yield
     finally:
         inner.step = real_step  # type: ignore[method-assign]
+
+
+@contextmanager
+def held_steps(engine: AsyncEngine) -> Iterator[threading.Event]:
+    """Engine steps wait until the event is set, so requests stay queued."""
+    release = threading.Event()
+    with before_each_step(engine, lambda: release.wait(60)):
+        try:
+            yield release
+        finally:
+            release.set()
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
@@ -183,21 +175,6 @@ def test_body_over_the_limit_is_413_declared_or_chunked(limited_server: RunningS
     assert state.free_blocks == state.num_blocks
 
 
-def _stream_events(url: str, body: dict, into: list[list[dict | str]]) -> None:
-    events: list[dict | str] = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    into.append(events)
-
-
-def _finish_reasons(events: list[dict | str]) -> list[str]:
-    return [c["finish_reason"] for e in events if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]]
-
-
 @pytest.mark.parametrize("timeout", [30.0, 1.0])
 def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, timeout: float) -> None:
     """Two streams of 10 tokens and one of 240, at 30 ms a step (about 0.3 s and 7 s): a 30 s
@@ -206,13 +183,9 @@ def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, tim
     config = ServerConfig(served_model_name=[MODEL], shutdown_timeout=timeout)
     running = RunningServer(engine, config, attach_metrics(engine, config), lifecycle=True)
     state = running.app.state.server
-    streams: list[list[dict | str]] = []
     try:
-        with slow_steps(engine, 0.03):
-            senders = [threading.Thread(target=_stream_events, args=(running.url, {**BODY, "max_tokens": n}, streams))
-                       for n in (10, 10, 240)]
-            for sender in senders:
-                sender.start()
+        with before_each_step(engine, lambda: time.sleep(0.03)):
+            streams = [Stream(running.url, {**BODY, "max_tokens": n}).start() for n in (10, 10, 240)]
             wait_for(lambda: state.gate.in_flight == 3 and state.gate.waiting == 0)
             started = time.monotonic()
             running.drain()
@@ -223,14 +196,14 @@ def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, tim
             assert value(scrape(running.url), "request_rejected_total", reason="shutting_down") == 1
             status = running.join(60)
             elapsed = time.monotonic() - started
-            for sender in senders:
-                sender.join(10)
+            for stream in streams:
+                stream.join(10)
     finally:
         running.stop()
         engine.shutdown()
     assert status == 0
-    assert len(streams) == 3 and all(events[-1] == "[DONE]" for events in streams)
-    reasons = sorted(r for events in streams for r in _finish_reasons(events))
+    assert all(stream.error is None and stream.events[-1] == "[DONE]" for stream in streams)
+    reasons = sorted(r for stream in streams for r in stream.finish_reasons)
     if timeout > 5:
         assert reasons == ["length"] * 3 and elapsed < timeout
     else:
@@ -247,34 +220,31 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
     engine = start_engine(model=str(qwen3_dir), **ENGINE_SETTINGS)
     running = RunningServer(engine, ServerConfig())
     inner = engine.engine
-    real_step = inner.step
     steps = {"n": 0}
 
-    def counted_step():  # type: ignore[no-untyped-def]
+    def count() -> None:
         time.sleep(0.05)
         steps["n"] += 1
-        return real_step()
 
-    inner.step = counted_step  # type: ignore[method-assign]
     body = {**BODY, "max_tokens": 200}
     try:
-        with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
-            for i, _ in enumerate(response.iter_lines()):
-                if i == 6:
-                    break
-            closed_at = steps["n"]
-        wait_for(lambda: not inner.groups, timeout=10)
-        assert steps["n"] - closed_at <= 2
+        with before_each_step(engine, count):
+            with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+                for i, _ in enumerate(response.iter_lines()):
+                    if i == 6:
+                        break
+                closed_at = steps["n"]
+            wait_for(lambda: not inner.groups, timeout=10)
+            assert steps["n"] - closed_at <= 2
 
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-        closed_at = steps["n"]
-        wait_for(lambda: not inner.groups, timeout=10)
-        assert steps["n"] - closed_at <= 2
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+            closed_at = steps["n"]
+            wait_for(lambda: not inner.groups, timeout=10)
+            assert steps["n"] - closed_at <= 2
         state = wait_until_idle(engine)
         assert state.free_blocks == state.num_blocks
     finally:
-        inner.step = real_step  # type: ignore[method-assign]
         running.stop()
         engine.shutdown()
 
@@ -289,10 +259,10 @@ def test_a_request_without_a_token_within_max_queue_time_is_dropped(qwen3_dir: P
             error = error_of(httpx.post(running.url + "/v1/completions", json=BODY, timeout=30), 503)
             assert time.monotonic() - started >= 0.5
             assert error["code"] == "queue_timeout" and "--max-queue-time" in str(error["message"])
-            streams: list[list[dict | str]] = []
-            _stream_events(running.url, BODY, streams)  # the stream has begun: the error comes as an event
-            [events] = streams
-            assert events[-1] == "[DONE]" and len(events) == 2 and events[0]["error"]["code"] == "queue_timeout"
+            stream = Stream(running.url, BODY).start()  # the stream has begun: the error comes as an event
+            stream.join(30)
+            events = stream.events
+            assert stream.error is None and events[-1] == "[DONE]" and len(events) == 2 and events[0]["error"]["code"] == "queue_timeout"
             release.set()
             state = wait_until_idle(engine)
             assert (state.groups, state.free_blocks) == (0, state.num_blocks)  # both were aborted

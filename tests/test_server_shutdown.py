@@ -5,19 +5,17 @@ fails mid-step fails the requests in flight and makes the process exit 1, never 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from tests.server_harness import free_port, wait_until_answering
+from tests.server_harness import Stream, free_port, wait_for_status, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,56 +47,6 @@ def start_daemon(tmp_path: Path, args: list[str], module: str = "server.cli", en
         process.kill()
         raise
     return daemon
-
-
-@dataclass
-class Stream:
-    """One streaming completion read on its own thread."""
-
-    url: str
-    body: dict
-    events: list[dict | str] = field(default_factory=list)
-    error: BaseException | None = None
-    first_event: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        return self
-
-    def _read(self) -> None:
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json={**self.body, "stream": True}, timeout=120) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        data = line[len("data: "):]
-                        self.events.append(data if data == "[DONE]" else json.loads(data))
-                        self.first_event.set()
-        except BaseException as exc:  # a server that exits at once cuts the stream
-            self.error = exc
-            self.first_event.set()
-
-    def join(self, timeout: float) -> None:
-        assert self.thread is not None
-        self.thread.join(timeout)
-        assert not self.thread.is_alive()
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        chunks = [e for e in self.events if isinstance(e, dict) and "choices" in e]  # not the error event
-        return [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
-
-
-def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        response = httpx.get(url, timeout=5)
-        if response.status_code == status:
-            return response
-        assert time.monotonic() < deadline, f"{url} still answers {response.status_code}"
-        time.sleep(0.05)
 
 
 def stop(daemon: Daemon) -> None:

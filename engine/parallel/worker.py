@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from config import EngineConfig
 from engine.model_input import HostBatch
+from engine.model_runner import build_runner
 from engine.parallel.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ def join_group(config: EngineConfig, rank: int, port: int) -> None:
 
 
 def worker_main(config_json: str, rank: int, port: int, num_blocks: int, max_model_len: int, conn: Connection) -> None:
-    from engine.model_runner import build_runner  # the heavy imports happen in the child
-
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     config = EngineConfig.model_validate_json(config_json)
     try:
