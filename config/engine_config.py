@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
@@ -44,21 +44,35 @@ class ModelConfig(_Strict):
         default_factory=default_cache_dir,
         description="where converted models are kept (default: $PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve)",
     )
-    attention_backend: AttentionBackendName = Field("auto", description="attention kernel (auto: the best available)")
+    attention_backend: AttentionBackendName = Field(
+        "auto", description="attention kernel (auto: flash-attn 4, flash-attn 2, triton, torch: the first that can run)"
+    )
+    enforce_eager: bool = Field(False, description="run decode steps eagerly instead of replaying CUDA graphs")
 
 
 class CacheConfig(_Strict):
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block, a power of two")
-    # Either a fixed number of blocks or a memory budget; the block count wins when both are set.
-    num_kv_blocks: int | None = Field(
-        None, ge=1, le=10_000_000, description="KV pool size in blocks (default: from --kv-cache-memory-gib)"
+    block_size: int | None = Field(
+        None, ge=1, le=1024,
+        description="tokens per KV block, a power of two (default: the attention backend's: 256 for flash-attn, "
+        "128 for flash-attn-4, else 16)",
     )
-    kv_cache_memory_gib: float = Field(1.0, gt=0, le=4096, description="KV pool budget in GiB when --num-kv-blocks is unset")
+    # The pool is sized by the first of these that is set: a block count, a memory budget, or
+    # (on a GPU) the share of GPU memory left after the weights and a profiled step.
+    num_kv_blocks: int | None = Field(None, ge=1, le=10_000_000, description="KV pool size in blocks")
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, le=4096,
+        description="KV pool budget in GiB when --num-kv-blocks is unset (default: 1 on CPU; on GPU, sized from "
+        "--gpu-memory-utilization)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1,
+        description="share of the GPU's memory this engine may use: weights, activations of the largest step, KV pool",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 
     @model_validator(mode="after")
     def _power_of_two(self) -> "CacheConfig":
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(
                 f"{flag('block_size')} must be a power of two between 1 and 1024, got {self.block_size}"
             )
@@ -91,21 +105,24 @@ class EngineConfig(_Strict):
         """Build from flat flag-named keyword arguments, as `LLM(...)` and the CLI pass them."""
         return cls(**build_sections(ENGINE_SECTIONS, kwargs))
 
-    def resolve_max_model_len(self, model_limit: int, num_blocks: int) -> int:
-        """The context limit in force, checked against what the model and the KV pool can hold."""
+    def resolve_max_model_len(self, model_limit: int) -> int:
+        """The context limit in force: --max-model-len, checked against the model's, else the model's."""
         max_len = self.scheduler.max_model_len or model_limit
         if max_len > model_limit:
             raise ConfigError(
                 f"{flag('max_model_len')} must be between 2 and the model's limit {model_limit}, got {max_len}"
             )
-        capacity = num_blocks * self.cache.block_size
-        if capacity < max_len:
-            raise ConfigError(
-                f"the KV pool ({num_blocks} blocks x {self.cache.block_size} tokens = {capacity} tokens) cannot "
-                f"hold one sequence of {flag('max_model_len')} {max_len}: raise {flag('num_kv_blocks')} to at "
-                f"least {-(-max_len // self.cache.block_size)} or lower {flag('max_model_len')}"
-            )
         return max_len
+
+    def check_kv_capacity(self, max_model_len: int, num_blocks: int, block_size: int) -> None:
+        """The KV pool must hold at least one sequence of the longest context."""
+        capacity = num_blocks * block_size
+        if capacity < max_model_len:
+            raise ConfigError(
+                f"the KV pool ({num_blocks} blocks x {block_size} tokens = {capacity} tokens) cannot "
+                f"hold one sequence of {flag('max_model_len')} {max_model_len}: raise {flag('num_kv_blocks')} to at "
+                f"least {-(-max_model_len // block_size)} or lower {flag('max_model_len')}"
+            )
 
 
 ENGINE_SECTIONS: dict[str, type[BaseModel]] = {

@@ -15,7 +15,9 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_input import build_step_batch
 from engine.model_loader import load_hf_config, resolve_dtype, resolve_model_path
+from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
 from engine.model_runner import kv_bytes_per_block
+from engine.models.llama import head_dim_of
 from engine.models.registry import resolve_architecture
 from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
 from engine.outputs import RequestOutput
@@ -27,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, FinishedRequest
 from engine.tokenization import encode
+from kernels.attention import Platform, choose
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +57,37 @@ class LLMEngine:
         resolve_architecture(self.hf_config)  # refuse what we cannot run before sizing anything
         check_shardable(self.hf_config, tp_size)  # before any process starts
         self.vocab_size = int(self.hf_config.vocab_size)
-        cache = config.cache
-        dtype = resolve_dtype(config.model.dtype, self.hf_config, torch.device(config.model.device))
-        num_blocks = cache.num_kv_blocks or max(
-            1, int(cache.kv_cache_memory_gib * 2**30) // kv_bytes_per_block(self.hf_config, cache.block_size, dtype, tp_size)
-        )
-        model_limit = context_limit(self.hf_config)
-        self.max_model_len = config.resolve_max_model_len(model_limit, num_blocks)
-        self.block_size = cache.block_size
+        device = config.model.device
+        dtype = resolve_dtype(config.model.dtype, self.hf_config, torch.device(device))
+        platform = Platform.detect(device, dtype, head_dim_of(self.hf_config))
+        choice = choose(config.model.attention_backend, platform, config.cache.block_size)
+        log.info("attention backend: %s, KV blocks of %d tokens (%s)", choice.name, choice.block_size, choice.why)
+        # From here on the choice is part of the config: the runners, here and in workers, read it.
+        config = config.model_copy(update={
+            "model": config.model.model_copy(update={"attention_backend": choice.name}),
+            "cache": config.cache.model_copy(update={"block_size": choice.block_size}),
+        })
+        self.config = config
+        self.block_size = choice.block_size
+        self.max_model_len = config.resolve_max_model_len(context_limit(self.hf_config))
+        per_block = kv_bytes_per_block(self.hf_config, self.block_size, dtype, tp_size)
+        on_gpu = device.startswith("cuda")
+        num_blocks = fixed_pool_blocks(config, per_block, on_gpu)
+        if num_blocks is not None:  # refused before anything starts
+            config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
         executor = TensorParallelExecutor if tp_size > 1 else LocalExecutor
-        self.executor: LocalExecutor | TensorParallelExecutor = executor(config, num_blocks, self.max_model_len)
+        self.executor: LocalExecutor | TensorParallelExecutor = executor(config, self.max_model_len)
+        try:
+            if num_blocks is None:
+                probe = CudaMemoryProbe(torch.device(device))
+                num_blocks = profiled_pool_blocks(config, per_block, self.max_model_len, self.executor.execute, probe)
+                config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
+            self.executor.allocate_kv(num_blocks)
+        except BaseException:
+            self.executor.close()
+            raise
         self.tokenizer = self.executor.loaded.tokenizer
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
         self.groups: dict[str, RequestGroup] = {}

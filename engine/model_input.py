@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.scheduler import SchedulerOutput
 from kernels.attention import AttentionMetadata
@@ -61,23 +62,58 @@ class HostBatch:
         return cls(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices,
                    list(zip(pairs[::2], pairs[1::2])))
 
-    def to_device(self, device: torch.device) -> ModelInput:
-        cu = [0]
-        for n in self.query_lens:
-            cu.append(cu[-1] + n)
+    def to_device(self, device: torch.device, upload: PinnedUpload | None = None) -> ModelInput:
+        """The batch on `device`: packed, copied in one transfer, then viewed field by field."""
+        packed = self.pack()
+        dev = upload(packed) if upload is not None else packed.to(device)
+        tokens, reqs = len(self.input_ids), len(self.query_lens)
+        at = 5  # past the header
 
-        def dev(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def take(n: int) -> torch.Tensor:
+            nonlocal at
+            at += n
+            return dev[at - n : at]
 
+        input_ids, positions, slots = take(tokens), take(tokens), take(tokens)
+        query_lens, context_lens = take(reqs), take(reqs).to(torch.int32)
+        logits_indices = take(len(self.logits_indices))
+        take(2 * len(self.block_copies))  # copied by the runner from the host list
+        tables = dev[at:].view(reqs, self.block_tables.shape[1]).to(torch.int32)
         attn = AttentionMetadata(
-            slot_mapping=dev(self.slots),
-            block_tables=self.block_tables.to(device, non_blocking=True),
-            cu_seqlens_q=dev(cu, torch.int32),
-            seqlens_k=dev(self.context_lens, torch.int32),
+            slot_mapping=slots,
+            block_tables=tables,
+            cu_seqlens_q=F.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0)),
+            seqlens_k=context_lens,
             query_lens=self.query_lens,
             context_lens=self.context_lens,
         )
-        return ModelInput(dev(self.input_ids), dev(self.positions), attn, dev(self.logits_indices), self.block_copies)
+        return ModelInput(input_ids, positions, attn, logits_indices, self.block_copies)
+
+
+class PinnedUpload:
+    """Host int64 tensors to a CUDA device through one reused page-locked buffer, so that the
+    copy is asynchronous (a copy from pageable memory makes the host wait). Elsewhere a plain
+    `.to(device)`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return packed.to(self.device)
+        n = packed.numel()
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the buffer: refill it
+        if self.buffer is None or self.buffer.numel() < n:
+            self.buffer = torch.empty(max(n, 2 * (0 if self.buffer is None else self.buffer.numel())),
+                                      dtype=torch.int64, pin_memory=True)
+        self.buffer[:n].copy_(packed)
+        out = self.buffer[:n].to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return out
 
 
 @dataclass

@@ -1,21 +1,23 @@
 """Runs the model on one device: owns the weights and the paged KV cache of every layer.
 
-The runner sees only `ModelInput` (tensors and block tables), never the scheduler, so more
+The runner sees only `HostBatch` (token ids, positions and block tables), never the scheduler, so more
 ranks can each run their own runner on the same input.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from config import EngineConfig
-from engine.model_input import ModelInput
+from engine.cuda_graphs import DecodeGraphs
+from engine.model_input import HostBatch, PinnedUpload
 from engine.model_loader import LoadedModel, load_model
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel.shard import Shard
-from kernels.attention import AttentionBackend, select_attention_backend
+from kernels.attention import AttentionBackend, build_backend
 from kernels.kv_store import copy_blocks
 
 log = logging.getLogger(__name__)
@@ -29,44 +31,97 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tensor_pa
 
 
 class ModelRunner:
+    """The model, its attention backend and KV cache on one device. It starts with a one-block
+    scratch cache, enough for the start-up profile step (whose slots are all -1); the engine then
+    sizes the pool and calls `allocate_kv`, which also captures the decode CUDA graphs."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
-        num_blocks: int,
         block_size: int,
         max_model_len: int,
+        max_num_seqs: int,
+        use_cuda_graphs: bool,
     ) -> None:
         self.model = model
         self.backend = backend
-        cfg = model.config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.use_cuda_graphs = use_cuda_graphs
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.upload = PinnedUpload(self.device)
         model.init_rotary(max_model_len)
-        shape = (num_blocks, block_size, model.layers[0].self_attn.num_kv_heads, head_dim_of(cfg))
+        self.graphs: DecodeGraphs | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._allocate(1)
+
+    def _allocate(self, num_blocks: int) -> None:
+        self.kv_caches = []  # the old pool goes before the new one is made
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, self.model.layers[0].self_attn.num_kv_heads, head_dim_of(cfg))
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
-        gib = kv_bytes_per_block(cfg, block_size, self.dtype, model.shard.size) * num_blocks / 2**30
-        if model.shard.rank == 0:
-            per_rank = " per rank" if model.shard.size > 1 else ""
-            log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s", num_blocks, block_size,
-                     num_blocks * block_size, gib, per_rank)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.graphs = None
+        self._allocate(num_blocks)
+        shard = self.model.shard
+        if shard.rank == 0:
+            gib = kv_bytes_per_block(self.model.config, self.block_size, self.dtype, shard.size) * num_blocks / 2**30
+            per_rank = " per rank" if shard.size > 1 else ""
+            log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s", num_blocks, self.block_size,
+                     num_blocks * self.block_size, gib, per_rank)
+        if self.use_cuda_graphs:
+            started = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.max_num_seqs,
+                                       -(-self.max_model_len // self.block_size), capture=True)
+            if shard.rank == 0:
+                log.info("CUDA graphs: decode batch sizes %s captured in %.1f s", self.graphs.sizes,
+                         time.perf_counter() - started)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor | None:
-        """Logits (float32) of the rows in `inp.logits_indices` (None on ranks other than 0)."""
-        copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], inp.block_copies)
-        hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
-        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+    def execute(self, batch: HostBatch) -> torch.Tensor | None:
+        """Logits (float32) of the rows in `batch.logits_indices` (None on ranks other than 0)."""
+        copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], batch.block_copies)
+        if self.graphs is not None and self.graphs.fits(batch):
+            hidden = self.graphs.run(batch, self.upload)
+            rows = torch.tensor(batch.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
+        else:
+            inp = batch.to_device(self.device, self.upload)
+            hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
+            rows = inp.logits_indices
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
 
-def build_runner(config: EngineConfig, shard: Shard, num_blocks: int, max_model_len: int) -> tuple[LoadedModel, ModelRunner]:
-    """This rank's shard of the model and its runner (one GPU per rank on CUDA)."""
+def graphs_off_reason(config: EngineConfig, backend: AttentionBackend, tensor_parallel_size: int) -> str | None:
+    """Why decode steps will run eagerly, or None when they will replay CUDA graphs."""
+    if config.model.enforce_eager:
+        return "--enforce-eager"
+    if not config.model.device.startswith("cuda"):
+        return f"not a CUDA device ({config.model.device})"
+    if not backend.graph_safe:
+        return f"the {backend.name} attention backend cannot be captured"
+    if tensor_parallel_size > 1:
+        return "not captured under tensor parallelism"
+    return None
+
+
+def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tuple[LoadedModel, ModelRunner]:
+    """This rank's shard of the model and its runner (one GPU per rank on CUDA). `config` has
+    its attention backend and block size resolved (LLMEngine does it)."""
     device = config.model.device
     if shard.size > 1 and device.startswith("cuda"):
         config = config.model_copy(update={"model": config.model.model_copy(update={"device": f"cuda:{shard.rank}"})})
     loaded = load_model(config.model, shard)
-    backend = select_attention_backend(config.model.attention_backend, config.model.device)
-    return loaded, ModelRunner(loaded.model, backend, num_blocks, config.cache.block_size, max_model_len)
+    backend = build_backend(config.model.attention_backend)
+    off = graphs_off_reason(config, backend, shard.size)
+    if shard.rank == 0 and off is not None:
+        log.info("CUDA graphs off: %s", off)
+    runner = ModelRunner(loaded.model, backend, config.cache.block_size, max_model_len, config.scheduler.max_num_seqs,
+                         use_cuda_graphs=off is None)
+    return loaded, runner

@@ -26,6 +26,9 @@ MODEL_LIMIT = 1024  # max_position_embeddings of the random test models
         ({"num_kv_blocks": -3}, ["--num-kv-blocks", ">= 1", "-3"]),
         ({"max_model_len": 1}, ["--max-model-len", ">= 2"]),
         ({"kv_cache_memory_gib": 0}, ["--kv-cache-memory-gib", "> 0"]),
+        ({"gpu_memory_utilization": 0}, ["--gpu-memory-utilization", "> 0 and <= 1"]),
+        ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "> 0 and <= 1", "1.5"]),
+        ({"attention_backend": "flashinfer"}, ["--attention-backend", "'flash-attn'", "'flash-attn-4'"]),
         ({"seed": -1}, ["--seed", ">= 0"]),
         ({"dtype": "int8"}, ["--dtype", "'float16'", "'bfloat16'"]),
         ({"max_num_seqs": "many"}, ["--max-num-seqs", "integer"]),
@@ -65,16 +68,17 @@ def test_valid_settings_reach_their_sections(tmp_path: Path) -> None:
 
 def test_max_model_len_against_model_and_pool() -> None:
     # Defaults to the model's limit.
-    assert EngineConfig.from_kwargs(block_size=16).resolve_max_model_len(MODEL_LIMIT, 64) == MODEL_LIMIT
+    assert EngineConfig.from_kwargs().resolve_max_model_len(MODEL_LIMIT) == MODEL_LIMIT
+    assert EngineConfig.from_kwargs(max_model_len=64).resolve_max_model_len(MODEL_LIMIT) == 64
     # A pool of exactly max_model_len tokens is enough.
-    assert EngineConfig.from_kwargs(max_model_len=64, block_size=16).resolve_max_model_len(MODEL_LIMIT, 4) == 64
+    EngineConfig.from_kwargs().check_kv_capacity(64, 4, 16)
 
     with pytest.raises(ConfigError) as info:
-        EngineConfig.from_kwargs(max_model_len=MODEL_LIMIT + 1).resolve_max_model_len(MODEL_LIMIT, 10_000)
+        EngineConfig.from_kwargs(max_model_len=MODEL_LIMIT + 1).resolve_max_model_len(MODEL_LIMIT)
     assert "--max-model-len" in str(info.value) and f"between 2 and the model's limit {MODEL_LIMIT}" in str(info.value)
 
     with pytest.raises(ConfigError) as info:
-        EngineConfig.from_kwargs(max_model_len=65, block_size=16).resolve_max_model_len(MODEL_LIMIT, 4)
+        EngineConfig.from_kwargs().check_kv_capacity(65, 4, 16)
     message = str(info.value)
     assert "--num-kv-blocks to at least 5" in message and "--max-model-len" in message
 

@@ -22,7 +22,7 @@ from engine.errors import ModelLoadError
 from engine.model_input import HostBatch
 from engine.model_runner import build_runner
 from engine.parallel.shard import Shard
-from engine.parallel.worker import STOP, join_group, worker_main
+from engine.parallel.worker import ALLOCATE_KV, STEP, STOP, join_group, message, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,15 @@ class WorkerDiedError(RuntimeError):
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
-        self.loaded, self.runner = build_runner(config, Shard(), num_blocks, max_model_len)
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.loaded, self.runner = build_runner(config, Shard(), max_model_len)
         self.on_failure: Callable[[], None] | None = None  # never called: nothing here can die alone
 
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv(num_blocks)
+
     def execute(self, batch: HostBatch) -> torch.Tensor:
-        logits = self.runner.execute(batch.to_device(self.runner.device))
+        logits = self.runner.execute(batch)
         assert logits is not None
         return logits
 
@@ -65,7 +68,7 @@ def _free_port() -> int:
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         size = config.parallel.tensor_parallel_size
         port = _free_port()
         context = mp.get_context("spawn")  # a fork would copy this process's threads and locks
@@ -76,14 +79,14 @@ class TensorParallelExecutor:
         for rank in range(1, size):
             parent, child = context.Pipe()
             process = context.Process(
-                target=worker_main, args=(config.model_dump_json(), rank, port, num_blocks, max_model_len, child),
+                target=worker_main, args=(config.model_dump_json(), rank, port, max_model_len, child),
                 name=f"pagedserve-tp{rank}", daemon=True,
             )
             process.start()
             child.close()
             self.workers.append(_Worker(rank, process, parent))
         try:
-            self.loaded, self.runner = build_runner(config, Shard(0, size), num_blocks, max_model_len)
+            self.loaded, self.runner = build_runner(config, Shard(0, size), max_model_len)
             self._wait_until_loaded()
         except BaseException:
             self._stop_workers()
@@ -127,16 +130,22 @@ class TensorParallelExecutor:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
-    def execute(self, batch: HostBatch) -> torch.Tensor:
+    def _send(self, data: bytes) -> None:
         self.check()
-        packed = batch.pack().numpy().tobytes()
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(data)
+            except OSError as exc:  # a worker's end of the pipe is closed: it is gone
+                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} is gone: {exc}") from None
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))
+        self.runner.allocate_kv(num_blocks)
+
+    def execute(self, batch: HostBatch) -> torch.Tensor:
+        self._send(message(STEP, batch.pack()))
         try:
-            for worker in self.workers:
-                worker.conn.send_bytes(packed)
-        except OSError as exc:  # a worker's end of the pipe is closed: it is gone
-            raise WorkerDiedError(f"tensor-parallel rank {worker.rank} is gone: {exc}") from None
-        try:
-            logits = self.runner.execute(batch.to_device(self.runner.device))
+            logits = self.runner.execute(batch)
         except Exception as exc:
             # A collective fails when a peer dies: name the rank rather than the socket error.
             if self._describe_dead(timeout=DEATH_NOTICE_SECONDS) is not None:

@@ -1,7 +1,7 @@
 """A tensor-parallel worker process (ranks 1..N-1): load this rank's shard, then run every step
 that rank 0 sends, taking part in the layers' collectives, until told to stop or rank 0 is gone.
 
-Steps arrive over a pipe from rank 0 as packed `HostBatch` bytes: a worker idle for hours just
+Steps (and, once, the KV pool's size) arrive over a pipe from rank 0 as packed int64s: a worker idle for hours just
 waits on its pipe (a collective would time out), and when rank 0's process dies the pipe's EOF
 ends the worker too, so no orphan is left behind.
 """
@@ -23,6 +23,12 @@ from engine.parallel.shard import Shard
 log = logging.getLogger(__name__)
 
 STOP = b""
+# Every other message is int64s: its kind, then a packed `HostBatch` to run or the KV pool's size.
+STEP, ALLOCATE_KV = 0, 1
+
+
+def message(kind: int, body: torch.Tensor) -> bytes:
+    return torch.cat([torch.tensor([kind], dtype=torch.int64), body]).numpy().tobytes()
 
 
 def join_group(config: EngineConfig, rank: int, port: int) -> None:
@@ -38,11 +44,11 @@ def join_group(config: EngineConfig, rank: int, port: int) -> None:
     )
 
 
-def worker_main(config_json: str, rank: int, port: int, num_blocks: int, max_model_len: int, conn: Connection) -> None:
+def worker_main(config_json: str, rank: int, port: int, max_model_len: int, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     config = EngineConfig.model_validate_json(config_json)
     try:
-        _, runner = build_runner(config, Shard(rank, config.parallel.tensor_parallel_size), num_blocks, max_model_len)
+        _, runner = build_runner(config, Shard(rank, config.parallel.tensor_parallel_size), max_model_len)
     except BaseException as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
@@ -56,7 +62,10 @@ def worker_main(config_json: str, rank: int, port: int, num_blocks: int, max_mod
                 raise SystemExit(1) from None
             if packed == STOP:
                 break
-            batch = HostBatch.unpack(torch.frombuffer(bytearray(packed), dtype=torch.int64))
-            runner.execute(batch.to_device(runner.device))
+            values = torch.frombuffer(bytearray(packed), dtype=torch.int64)
+            if values[0] == ALLOCATE_KV:
+                runner.allocate_kv(int(values[1]))
+            else:
+                runner.execute(HostBatch.unpack(values[1:]))
     finally:
         dist.destroy_process_group()

@@ -33,6 +33,9 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    # True when an all-decode step reads no host metadata but `query_lens`, so that a CUDA
+    # graph captured once replays correctly for any context lengths.
+    graph_safe: bool
 
     def forward(
         self,

@@ -70,6 +70,7 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
 
 class TorchReferenceBackend:
     name = "torch"
+    graph_safe = False  # plans each step from host context lengths
 
     def forward(
         self,

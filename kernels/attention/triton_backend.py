@@ -11,6 +11,7 @@ from kernels.triton.store_kv import store_kv
 
 class TritonBackend:
     name = "triton"
+    graph_safe = True  # the grid depends only on the batch shape; lengths are read on the device
 
     def forward(
         self,
