@@ -13,9 +13,9 @@ from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
 from engine.model_input import build_step_batch
 from engine.model_loader import load_hf_config, resolve_dtype, resolve_model_path
-from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
 from engine.model_runner import kv_bytes_per_block
 from engine.models.llama import head_dim_of
 from engine.models.registry import resolve_architecture

@@ -1,0 +1,78 @@
+"""Decode steps through the CUDA-graph path: padded to a captured batch size and fed from static
+buffers. On a CPU nothing is captured, but the same buffers feed the model eagerly, so what the
+graphs would read (padding, stale buffer contents, block tables) is checked here against the
+plain path; tests/test_gpu.py checks the replayed graphs on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs, graph_sizes, pad_decode
+from engine.model_input import HostBatch
+from tests.prompts import shared_prefix_prompts
+
+
+def test_graph_sizes_climb_the_ladder_to_max_num_seqs() -> None:
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(6) == [1, 2, 4, 6]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graph_sizes(4096)[-3:] == [384, 448, 512]
+
+
+def test_pad_decode_adds_requests_that_store_nothing() -> None:
+    batch = HostBatch(
+        input_ids=[5, 6, 7], positions=[9, 0, 40], slots=[25, 32, 104], query_lens=[1, 1, 1], context_lens=[10, 1, 41],
+        block_tables=torch.tensor([[1, 2, 0], [4, 0, 0], [3, 5, 6]], dtype=torch.int32), logits_indices=[0, 1, 2],
+        block_copies=[(2, 7)],
+    )
+    padded = pad_decode(batch, 8, 5)
+    assert padded.input_ids == [5, 6, 7, 0, 0, 0, 0, 0] and padded.positions == [9, 0, 40] + [0] * 5
+    assert padded.slots == [25, 32, 104] + [-1] * 5
+    assert padded.query_lens == [1] * 8 and padded.context_lens == [10, 1, 41] + [1] * 5
+    assert padded.block_tables.shape == (8, 5) and padded.block_tables.dtype == torch.int32
+    assert padded.block_tables[:3, :3].tolist() == batch.block_tables.tolist()
+    assert int(padded.block_tables[3:].abs().sum()) == 0 and int(padded.block_tables[:, 3:].abs().sum()) == 0
+    assert padded.logits_indices == [0, 1, 2] and padded.block_copies == [(2, 7)]
+
+
+@pytest.mark.parametrize(("model_fixture", "backend"), [("llama_dir", "torch"), ("qwen3_dir", "triton")])
+def test_padded_decode_steps_give_the_same_tokens(model_fixture: str, backend: str, request) -> None:
+    """Chunked, preempted and prefix-cached (as tests/test_triton_kernels.py runs them), with
+    every decode step padded: 5 requests, so steps of 5, 4, 3... rows run as 6, 4, 4, ..."""
+    model_dir = request.getfixturevalue(model_fixture)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:5]
+    # The chosen tokens' logprobs too: greedy tokens of a small random model barely depend on
+    # attention, its logprobs do (decode rows at position 0 would still pick the same tokens).
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=0) for i in range(5)]
+    settings = {"max_num_batched_tokens": 24, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128,
+                "max_num_seqs": 6, "attention_backend": backend}
+    plain = LLM(str(model_dir), **settings)
+    want = plain.generate(prompts, params)
+
+    llm = LLM(str(model_dir), **settings)
+    runner = llm.engine.executor.runner
+    assert runner.graphs is None  # no CUDA: decode runs eagerly unless told otherwise
+    graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, 6, 128 // 16, capture=False)
+    runner.graphs = graphs
+    sizes: list[tuple[int, int]] = []
+    run = graphs.run
+
+    def recorded(batch: HostBatch, upload):
+        sizes.append((len(batch.query_lens), graphs.sizes[[s >= len(batch.query_lens) for s in graphs.sizes].index(True)]))
+        return run(batch, upload)
+
+    graphs.run = recorded
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        got_lp = [list(p.values())[0] for p in g.outputs[0].logprobs]
+        want_lp = [list(p.values())[0] for p in w.outputs[0].logprobs]
+        assert got_lp == pytest.approx(want_lp, abs=1e-5)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.prefix_cache_hits > 0
+    assert any(n < size for n, size in sizes), sizes  # some steps were padded
+    assert {n for n, _ in sizes} >= {1, 2}
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
