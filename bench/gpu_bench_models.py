@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model_runner import kv_bytes_per_block
 from tests.models import tokenizer_dir
 
 
@@ -63,12 +64,6 @@ def hf_config(name: str, vocab_size: int, tiny: bool):
     raise ValueError(f"unknown model {name!r}; known: {', '.join(SPECS)}")
 
 
-def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize
-
-
 def build(name: str, folder: Path, device: str, dtype: torch.dtype, tiny: bool, seed: int) -> dict:
     """Save the model `name` with random weights into `folder`; the facts the benchmark needs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,7 +83,7 @@ def build(name: str, folder: Path, device: str, dtype: torch.dtype, tiny: bool, 
         "folder": str(folder),
         "parameters": parameters,
         "weight_bytes": parameters * dtype.itemsize,
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype),
+        "kv_bytes_per_token": kv_bytes_per_block(cfg, 1, dtype),  # K and V of every layer for one token
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": len(tok),

@@ -82,7 +82,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, batch: HostBatch, upload: PinnedUpload) -> torch.Tensor:
-        """Hidden states of the batch's rows ([n, hidden]), by replay when `size` was captured."""
+        """Hidden states of the rows in `batch.logits_indices`, by replay when the padded size was captured."""
         n = len(batch.query_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         inp = pad_decode(batch, size, self.width).to_device(self.device, upload)
@@ -93,9 +93,11 @@ class DecodeGraphs:
         self.tables[:size].copy_(inp.attn.block_tables)
         graph = self.graphs.get(size)
         if graph is None:
-            return self._forward(size, inp.attn.context_lens)[:n]
-        graph.replay()
-        return self.outputs[size][:n]
+            hidden = self._forward(size, inp.attn.context_lens)
+        else:
+            graph.replay()
+            hidden = self.outputs[size]
+        return hidden.index_select(0, inp.logits_indices)  # indices < n: padding rows are never picked
 
     def _forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
         meta = AttentionMetadata(

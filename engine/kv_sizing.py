@@ -8,6 +8,7 @@ start-up). On a CPU the budget defaults to 1 GiB.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ def profile_batch(num_tokens: int, num_seqs: int, max_model_len: int, block_size
         query_lens.append(min(per_req, left))
         left -= query_lens[-1]
     positions = [p for n in query_lens for p in range(n)]
-    ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
+    ends = [end - 1 for end in itertools.accumulate(query_lens)]
     width = -(-per_req // block_size)
     return HostBatch(
         input_ids=[0] * len(positions), positions=positions, slots=[-1] * len(positions), query_lens=query_lens,

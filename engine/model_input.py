@@ -6,7 +6,7 @@ form it travels in to other tensor-parallel ranks) and moves to the device as `M
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,17 @@ class HostBatch:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32 on the host, padded with 0
     logits_indices: list[int]
     block_copies: list[tuple[int, int]]
+    # The packed form, kept once made: rank 0 packs a step for the pipe and for its own upload,
+    # a worker receives it packed. A batch is never changed after it is built.
+    _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def pack(self) -> torch.Tensor:
         """Everything in one int64 tensor: a header of lengths, then each field in order."""
+        if self._packed is None:
+            self._packed = self._pack()
+        return self._packed
+
+    def _pack(self) -> torch.Tensor:
         reqs, width = self.block_tables.shape
         header = [len(self.input_ids), reqs, width, len(self.logits_indices), len(self.block_copies)]
         copies = [i for pair in self.block_copies for i in pair]
@@ -60,7 +68,7 @@ class HostBatch:
         logits_indices, pairs = take(logits), take(2 * copies)
         tables = packed[at : at + reqs * width].view(reqs, width).to(torch.int32)
         return cls(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices,
-                   list(zip(pairs[::2], pairs[1::2])))
+                   list(zip(pairs[::2], pairs[1::2])), _packed=packed)
 
     def to_device(self, device: torch.device, upload: PinnedUpload | None = None) -> ModelInput:
         """The batch on `device`: packed, copied in one transfer, then viewed field by field."""

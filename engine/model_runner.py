@@ -89,13 +89,10 @@ class ModelRunner:
         """Logits (float32) of the rows in `batch.logits_indices` (None on ranks other than 0)."""
         copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], batch.block_copies)
         if self.graphs is not None and self.graphs.fits(batch):
-            hidden = self.graphs.run(batch, self.upload)
-            rows = torch.tensor(batch.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
-        else:
-            inp = batch.to_device(self.device, self.upload)
-            hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
-            rows = inp.logits_indices
-        return self.model.compute_logits(hidden.index_select(0, rows))
+            return self.model.compute_logits(self.graphs.run(batch, self.upload))
+        inp = batch.to_device(self.device, self.upload)
+        hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
+        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
 
 def graphs_off_reason(config: EngineConfig, backend: AttentionBackend, tensor_parallel_size: int) -> str | None:

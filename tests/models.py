@@ -87,16 +87,16 @@ def finish_all(engine) -> dict[str, list[int]]:
     return tokens
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
     """transformers' own greedy tokens, one prompt at a time (no padding), EOS ignored."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     model.eval()
     results = []
     for ids in prompts:
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
             eos_token_id=None, pad_token_id=0,
         )

@@ -62,7 +62,8 @@ def test_padded_decode_steps_give_the_same_tokens(model_fixture: str, backend: s
     run = graphs.run
 
     def recorded(batch: HostBatch, upload):
-        sizes.append((len(batch.query_lens), graphs.sizes[[s >= len(batch.query_lens) for s in graphs.sizes].index(True)]))
+        n = len(batch.query_lens)
+        sizes.append((n, next(s for s in graphs.sizes if s >= n)))
         return run(batch, upload)
 
     graphs.run = recorded

@@ -17,6 +17,7 @@ from config import ConfigError  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels.attention import Platform, build_backend, choose  # noqa: E402
 from tests.attention_cases import DECODES, SHAPES, check_against_reference  # noqa: E402
+from tests.models import hf_greedy  # noqa: E402
 from tests.prompts import shared_prefix_prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -45,21 +46,6 @@ def test_backend_matches_reference(backend: str, dtype: torch.dtype, block_sizes
                                     device="cuda", dtype=dtype, atol=atol)
 
 
-def _hf_greedy_on_gpu(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-    results = []
-    for ids in prompts:
-        out = model.generate(
-            torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
-            do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=0,
-        )
-        results.append(out[0, len(ids):].tolist())
-    del model
-    return results
-
-
 def _prompts(folder: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -75,7 +61,7 @@ def test_greedy_tokens_equal_transformers(llama_dir: Path) -> None:
     """float32, the auto backend (triton: flash-attn takes half types only), CUDA graphs on,
     chunked prefill and prefix caching."""
     prompts = _prompts(llama_dir)
-    want = _hf_greedy_on_gpu(llama_dir, prompts, 24)
+    want = hf_greedy(llama_dir, prompts, 24, device="cuda")
     _release()
     llm = LLM(str(llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=64, num_kv_blocks=64)
     assert llm.engine.executor.runner.graphs is not None
