@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AttentionBackendName = Literal["auto", "torch", "triton", "flash-attn", "flash-attn-4"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 

@@ -26,7 +26,10 @@ def platform(capability: tuple[int, int] | None = HOPPER, dtype: torch.dtype = t
 @pytest.mark.parametrize(
     ("case", "block_size", "name", "chosen_block", "why_words"),
     [
-        (platform(None, torch.float32), None, "torch", 16, ["reference backend is the one for cpu"]),
+        (platform(None, torch.float32), None, "cpu", 16, ["fastest"]),
+        (platform(None, torch.bfloat16), 128, "cpu", 128, ["fastest"]),
+        (platform(None, missing=("kernels.cpu.paged_attention_op",)), None, "torch", 16,
+         ["slow", "not cpu: kernels.cpu.paged_attention_op is not installed"]),
         (platform(HOPPER), None, "flash-attn-4", 128, ["fastest"]),
         (platform((10, 0)), 64, "flash-attn-4", 64, ["fastest"]),  # a block size given is kept
         (platform(HOPPER, missing=("flash_attn.cute",)), None, "flash-attn", 256, ["not flash-attn-4", "not installed"]),
@@ -52,6 +55,7 @@ def test_auto_takes_the_fastest_that_can_run(case: Platform, block_size: int | N
     ("requested", "case", "block_size", "chosen_block"),
     [
         ("torch", platform(HOPPER), None, 16),
+        ("cpu", platform(None), None, 16),
         ("triton", platform(HOPPER), None, 16),
         ("flash-attn", platform(HOPPER), None, 256),
         ("flash-attn-4", platform((10, 3)), None, 128),
@@ -66,7 +70,7 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
     cpu = platform(None, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert choose("triton", cpu).name == "triton"
-    assert choose("auto", cpu).name == "torch"  # the interpreter is for tests, never chosen by itself
+    assert choose("auto", cpu).name == "cpu"  # the interpreter is for tests, never chosen by itself
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="--attention-backend triton: it needs a CUDA device, not cpu"):
         choose("triton", cpu)
@@ -83,7 +87,9 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
         ("flash-attn-4", platform(AMPERE), None, "Hopper and Blackwell"),
         ("flash-attn-4", platform(HOPPER, missing=("flash_attn.cute",)), None, "flash_attn.cute is not installed"),
         ("triton", platform(HOPPER, missing=("triton",)), None, "pip install triton"),
-        ("flash", platform(HOPPER), None, "must be one of auto, torch, triton, flash-attn, flash-attn-4"),
+        ("cpu", platform(HOPPER), None, "it runs on the CPU, not cuda"),
+        ("cpu", platform(None, missing=("kernels.cpu.paged_attention_op",)), None, "paged_attention_op is not installed"),
+        ("flash", platform(HOPPER), None, "must be one of auto, torch, cpu, triton, flash-attn, flash-attn-4"),
     ],
 )
 def test_a_backend_that_cannot_run_is_a_config_error(requested: str, case: Platform, block_size: int | None,

@@ -1,7 +1,8 @@
 """Choose the attention backend and its KV block size at start-up, and say which and why.
 
-`auto` takes the first that can run: flash-attn 4 (Hopper and Blackwell), flash-attn 2
-(Ampere and later), Triton (any CUDA GPU), the torch reference (anywhere). The flash-attn
+`auto` takes the first that can run: on a GPU flash-attn 4 (Hopper and Blackwell), flash-attn 2
+(Ampere and later), Triton (any CUDA GPU); on the CPU the C++ paged kernel (built on first use);
+the torch reference (anywhere) when none of those can. The flash-attn
 kernels take half-precision tensors only, and flash-attn 2's paged kernels want blocks of a
 multiple of 256 tokens, so the block size is settled here too.
 """
@@ -19,7 +20,8 @@ import torch
 from config import ConfigError
 from kernels.attention.backend import AttentionBackend
 
-NAMES = ("torch", "triton", "flash-attn", "flash-attn-4")
+NAMES = ("torch", "cpu", "triton", "flash-attn", "flash-attn-4")
+CPU_KERNEL_MODULE = "kernels.cpu.paged_attention_op"  # importing it builds the kernel
 DEFAULT_BLOCK_SIZE = 16
 FA2_BLOCK_SIZE = 256  # flash-attn 2's paged kernels need a multiple of 256
 FA4_BLOCK_SIZE = 128  # flash-attn 4's fast path wants a page the size of its tile (128 on Hopper)
@@ -72,6 +74,10 @@ def _unfit(name: str, p: Platform, block_size: int | None) -> str | None:
     """Why `name` cannot run on `p` with `block_size` (None: set by the backend), or None if it can."""
     if name == "torch":
         return None
+    if name == "cpu":
+        if p.capability is not None:
+            return f"it runs on the CPU, not {p.device}"
+        return p.importable(CPU_KERNEL_MODULE)
     if name == "triton":
         reason = p.importable("triton")
         if reason is not None:
@@ -114,10 +120,8 @@ def choose(requested: str, platform: Platform, block_size: int | None = None) ->
         if reason is not None:
             raise BackendUnavailableError(f"--attention-backend {requested}: {reason}")
         return AttentionChoice(requested, "forced by --attention-backend", _block_size(requested, block_size))
-    if platform.capability is None:
-        return AttentionChoice("torch", f"the reference backend is the one for {platform.device}", _block_size("torch", block_size))
     passed_over = []
-    for name in ("flash-attn-4", "flash-attn", "triton"):
+    for name in ("cpu",) if platform.capability is None else ("flash-attn-4", "flash-attn", "triton"):
         reason = _unfit(name, platform, block_size)
         if reason is None:
             why = "the fastest that can run here" + (f" ({'; '.join(passed_over)})" if passed_over else "")
@@ -141,6 +145,10 @@ def build_backend(name: str) -> AttentionBackend:
         from kernels.attention.flash_attn4_backend import FlashAttn4Backend
 
         return FlashAttn4Backend()
+    if name == "cpu":
+        from kernels.attention.cpu_backend import CpuPagedBackend
+
+        return CpuPagedBackend()
     from kernels.attention.torch_ref import TorchReferenceBackend
 
     return TorchReferenceBackend()

@@ -1,0 +1,252 @@
+// Paged attention on the CPU: every query row of a step (decode rows and prefill chunks alike)
+// attends to its request's keys read in place through the block table, with an online softmax
+// in float32. One call per layer; no gather, no padding, no mask tensor.
+//
+// Work is split over (request, KV head, tile of up to kRowTile query rows): the query heads that
+// share a KV head and the rows of a tile reuse each chunk of keys while it is in cache. Keys are
+// taken 16 at a time through the block table (any block size) and converted to float32 once per
+// work item; scores, softmax and the weighted sum of values work on 16-lane vectors (one AVX-512
+// register), lanes past a row's causal limit masked to a probability of 0.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowTile = 16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Sixteen float32 lanes: one AVX-512 register (the compiler splits it on narrower CPUs).
+typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+// exp(x) for x <= 0 (softmax arguments), all lanes at once: 2^(x log2 e) split into an integer
+// power (exponent bits) and a degree-6 polynomial of the fraction (relative error ~2e-7, below
+// float32's own rounding of the sums it feeds).
+inline f16v exp_nonpositive(f16v x) {
+    x = x < -87.0f ? f16v{} - 87.0f : x;
+    const f16v t = x * 1.4426950408889634f;
+    const i16v truncated = __builtin_convertvector(t, i16v);
+    f16v whole = __builtin_convertvector(truncated, f16v);
+    whole = whole > t ? whole - 1.0f : whole;  // floor for negative t
+    const f16v f = t - whole;
+    f16v p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    const i16v bits = (__builtin_convertvector(whole, i16v) + 127) << 23;
+    return p * reinterpret_cast<const f16v&>(bits);
+}
+
+inline float lane_max(f16v v) {
+    float m = v[0];
+    for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+    return m;
+}
+
+inline float lane_sum(f16v v) {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += v[i];
+    return s;
+}
+
+// The lane sums of sixteen vectors, as the sixteen lanes of one: pairs of vectors are folded
+// into one holding twice the keys at half the partial sums each, four times over, so that key j
+// ends in lane j (15 adds instead of 16 horizontal reductions).
+inline f16v fold16(f16v x, f16v y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline f16v fold8(f16v x, f16v y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline f16v fold4(f16v x, f16v y) {
+    return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline f16v fold2(f16v x, f16v y) {
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline f16v lane_sums(const f16v* p) {
+    f16v a[8], b[4], c[2];
+    for (int k = 0; k < 8; ++k) a[k] = fold16(p[2 * k], p[2 * k + 1]);
+    for (int k = 0; k < 4; ++k) b[k] = fold8(a[2 * k], a[2 * k + 1]);
+    for (int k = 0; k < 2; ++k) c[k] = fold4(b[2 * k], b[2 * k + 1]);
+    return fold2(c[0], c[1]);
+}
+
+struct WorkItem {
+    int32_t req;
+    int32_t kv_head;
+    int32_t row0;  // first and past-the-last query row of the tile, relative to the request
+    int32_t row1;
+};
+
+// kVecs > 0: the head dim in 16-lane vectors, fixed at compile time (its loops unroll into
+// registers); 0: read at run time. A head dim that is not a multiple of 16 is zero-padded.
+template <typename T, int kVecs>
+void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tables, int64_t max_blocks,
+            const int32_t* cu_q, const int32_t* seqlens_k, const std::vector<WorkItem>& items, int64_t heads,
+            int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    const int64_t vecs = kVecs > 0 ? kVecs : (dim + kLanes - 1) / kLanes;
+    const int64_t padded = vecs * kLanes;
+    const int64_t group = heads / kv_heads;
+    const int64_t token_stride = kv_heads * dim;  // between keys of a block
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<f16v> qv_buf(kRowTile * group * vecs);
+        float* qf = reinterpret_cast<float*>(qv_buf.data());  // [row][head][padded dim], scaled
+        // Zeros past the head dim stay zeros: only the first `dim` lanes of a row are written.
+        std::vector<f16v> acc(kRowTile * group * vecs), kf(kLanes * vecs), vf(kLanes * vecs);
+        std::vector<float> mx(kRowTile * group), sum(kRowTile * group);
+        float* kflat = reinterpret_cast<float*>(kf.data());  // [key][padded dim]
+        float* vflat = reinterpret_cast<float*>(vf.data());
+        for (int64_t w = begin; w < end; ++w) {
+            const WorkItem& item = items[w];
+            const int64_t q_start = cu_q[item.req];
+            const int64_t q_len = cu_q[item.req + 1] - q_start;
+            const int64_t first_pos = seqlens_k[item.req] - q_len;  // position of the request's row 0
+            const int64_t rows = item.row1 - item.row0;
+            for (int64_t i = 0; i < rows; ++i) {
+                for (int64_t g = 0; g < group; ++g) {
+                    const T* src = q + ((q_start + item.row0 + i) * heads + item.kv_head * group + g) * dim;
+                    float* dst = qf + (i * group + g) * padded;
+                    for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * scale;
+                }
+            }
+            std::fill(acc.begin(), acc.begin() + rows * group * vecs, f16v{});
+            std::fill(mx.begin(), mx.begin() + rows * group, -std::numeric_limits<float>::infinity());
+            std::fill(sum.begin(), sum.begin() + rows * group, 0.0f);
+            const int64_t keys = first_pos + item.row1;  // what the tile's last row sees
+            const int32_t* table = tables + item.req * max_blocks;
+            for (int64_t base = 0; base < keys; base += kLanes) {
+                const int64_t n = std::min<int64_t>(kLanes, keys - base);
+                if (n < kLanes) {  // keys past the context: zeros, so that masked lanes stay finite
+                    std::fill(kf.begin() + n * vecs, kf.end(), f16v{});
+                    std::fill(vf.begin() + n * vecs, vf.end(), f16v{});
+                }
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t pos = base + j;
+                    const int64_t offset = (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) *
+                                               token_stride + item.kv_head * dim;
+                    const T* kr = k_cache + offset;
+                    const T* vr = v_cache + offset;
+                    float* kd = kflat + j * padded;
+                    float* vd = vflat + j * padded;
+                    for (int64_t d = 0; d < dim; ++d) kd[d] = to_float(kr[d]);
+                    for (int64_t d = 0; d < dim; ++d) vd[d] = to_float(vr[d]);
+                }
+                for (int64_t i = 0; i < rows; ++i) {
+                    const int64_t visible = std::min<int64_t>(n, first_pos + item.row0 + i + 1 - base);
+                    if (visible <= 0) continue;
+                    const i16v in_view = lane < static_cast<int32_t>(visible);
+                    for (int64_t g = 0; g < group; ++g) {
+                        const int64_t h = i * group + g;
+                        const f16v* qv = qv_buf.data() + h * vecs;
+                        f16v partial[kLanes];
+                        for (int j = 0; j < kLanes; ++j) {
+                            const f16v* kr = kf.data() + j * vecs;
+                            f16v p = qv[0] * kr[0];
+                            for (int64_t c = 1; c < vecs; ++c) p += qv[c] * kr[c];
+                            partial[j] = p;
+                        }
+                        f16v score = lane_sums(partial);
+                        score = in_view ? score : f16v{} - std::numeric_limits<float>::infinity();
+                        const float chunk_max = std::max(mx[h], lane_max(score));
+                        const float correction = std::exp(mx[h] - chunk_max);
+                        f16v prob = exp_nonpositive(score - chunk_max);
+                        prob = in_view ? prob : f16v{};
+                        mx[h] = chunk_max;
+                        sum[h] = sum[h] * correction + lane_sum(prob);
+                        f16v* a = acc.data() + h * vecs;
+                        for (int64_t c = 0; c < vecs; ++c) a[c] *= correction;
+                        for (int j = 0; j < kLanes; ++j) {
+                            const float pj = prob[j];
+                            const f16v* vr = vf.data() + j * vecs;
+                            for (int64_t c = 0; c < vecs; ++c) a[c] += pj * vr[c];
+                        }
+                    }
+                }
+            }
+            for (int64_t i = 0; i < rows; ++i) {
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t h = i * group + g;
+                    const float inv = 1.0f / sum[h];
+                    const float* a = reinterpret_cast<const float*>(acc.data() + h * vecs);
+                    T* dst = out + ((q_start + item.row0 + i) * heads + item.kv_head * group + g) * dim;
+                    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(a[d] * inv);
+                }
+            }
+        }
+    });
+}
+
+}  // namespace
+
+// out, q: [tokens, heads, dim]; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
+// block_tables: [requests, max_blocks] int32; cu_seqlens_q: [requests + 1] int32;
+// seqlens_k: [requests] int32 (context length including the new tokens).
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k, double scale) {
+    TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "paged_attention: q, out and the caches must be contiguous");
+    TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt, "block_tables: contiguous int32");
+    TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seqlens_k.scalar_type() == at::kInt,
+                "cu_seqlens_q and seqlens_k: int32");
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+                "q, out and the caches must share a dtype");
+    const int64_t heads = q.size(1), dim = q.size(2);
+    const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+    TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_attention: head shapes do not match");
+    const int64_t requests = seqlens_k.size(0);
+    auto cu = cu_seqlens_q.contiguous();
+    auto seq = seqlens_k.contiguous();
+    const int32_t* cu_p = cu.data_ptr<int32_t>();
+    const int32_t* seq_p = seq.data_ptr<int32_t>();
+    std::vector<WorkItem> items;
+    for (int32_t r = 0; r < requests; ++r) {
+        const int32_t q_len = cu_p[r + 1] - cu_p[r];
+        for (int32_t row0 = 0; row0 < q_len; row0 += kRowTile) {
+            for (int32_t h = 0; h < kv_heads; ++h) {
+                items.push_back({r, h, row0, std::min<int32_t>(q_len, row0 + kRowTile)});
+            }
+        }
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+        auto run = [&](auto dim_tag) {
+            attend<scalar_t, decltype(dim_tag)::value>(
+                q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p, items,
+                heads, kv_heads, dim, block_size, static_cast<float>(scale));
+        };
+        if (dim == 64) {
+            run(std::integral_constant<int, 4>{});
+        } else if (dim == 128) {
+            run(std::integral_constant<int, 8>{});
+        } else {
+            run(std::integral_constant<int, 0>{});
+        }
+    });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("paged_attention", &paged_attention, "paged attention over the KV block table (CPU)");
+}
