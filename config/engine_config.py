@@ -37,15 +37,17 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     model: str | None = Field(None, description="local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
     tokenizer: str | None = Field(None, description="tokenizer folder, when it is not the model's")
-    dtype: DType = Field("auto", description="weight and activation dtype (auto: the model's, float32 on CPU)")
-    device: str = Field("cpu", description="torch device the model runs on")
+    dtype: DType = Field(
+        "auto", description="weight and activation dtype (auto: the model's on a GPU; on a CPU bfloat16 where it "
+        "multiplies bfloat16 natively, AVX512-BF16 or AMX, else float32)")
+    device: str = Field("auto", description="torch device the model runs on (auto: cuda when torch sees a GPU, else cpu)")
     seed: int = Field(0, ge=0, description="seed of the sampler's generator for unseeded requests")
     model_cache_dir: Path = Field(
         default_factory=default_cache_dir,
         description="where converted models are kept (default: $PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve)",
     )
     attention_backend: AttentionBackendName = Field(
-        "auto", description="attention kernel (auto: flash-attn 4, flash-attn 2, triton, torch: the first that can run)"
+        "auto", description="attention kernel (auto: on a GPU flash-attn 4, flash-attn 2, triton; on the CPU the C++ paged kernel, cpu; else torch)"
     )
     enforce_eager: bool = Field(False, description="run decode steps eagerly instead of replaying CUDA graphs")
 

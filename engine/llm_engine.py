@@ -15,7 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
 from engine.model_input import build_step_batch
-from engine.model_loader import load_hf_config, resolve_dtype, resolve_model_path
+from engine.model_loader import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.model_runner import kv_bytes_per_block
 from engine.models.llama import head_dim_of
 from engine.models.registry import resolve_architecture
@@ -57,14 +57,16 @@ class LLMEngine:
         resolve_architecture(self.hf_config)  # refuse what we cannot run before sizing anything
         check_shardable(self.hf_config, tp_size)  # before any process starts
         self.vocab_size = int(self.hf_config.vocab_size)
-        device = config.model.device
-        dtype = resolve_dtype(config.model.dtype, self.hf_config, torch.device(device))
+        device = resolve_device(config.model.device)
+        dtype, dtype_why = resolve_dtype(config.model.dtype, self.hf_config, torch.device(device))
+        log.info("device %s, dtype %s (%s)", device, str(dtype).removeprefix("torch."), dtype_why)
         platform = Platform.detect(device, dtype, head_dim_of(self.hf_config))
         choice = choose(config.model.attention_backend, platform, config.cache.block_size)
         log.info("attention backend: %s, KV blocks of %d tokens (%s)", choice.name, choice.block_size, choice.why)
-        # From here on the choice is part of the config: the runners, here and in workers, read it.
+        # From here on these choices are part of the config: the runners, here and in workers, read them.
         config = config.model_copy(update={
-            "model": config.model.model_copy(update={"attention_backend": choice.name}),
+            "model": config.model.model_copy(update={
+                "device": device, "dtype": str(dtype).removeprefix("torch."), "attention_backend": choice.name}),
             "cache": config.cache.model_copy(update={"block_size": choice.block_size}),
         })
         self.config = config

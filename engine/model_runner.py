@@ -14,7 +14,7 @@ import torch
 from config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.model_input import HostBatch, PinnedUpload
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel, load_model, resolve_device
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, build_backend
@@ -111,9 +111,11 @@ def graphs_off_reason(config: EngineConfig, backend: AttentionBackend, tensor_pa
 def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tuple[LoadedModel, ModelRunner]:
     """This rank's shard of the model and its runner (one GPU per rank on CUDA). `config` has
     its attention backend and block size resolved (LLMEngine does it)."""
-    device = config.model.device
+    device = resolve_device(config.model.device)  # LLMEngine resolved it; a runner built alone may not have
     if shard.size > 1 and device.startswith("cuda"):
-        config = config.model_copy(update={"model": config.model.model_copy(update={"device": f"cuda:{shard.rank}"})})
+        device = f"cuda:{shard.rank}"
+    if device != config.model.device:
+        config = config.model_copy(update={"model": config.model.model_copy(update={"device": device})})
     loaded = load_model(config.model, shard)
     backend = build_backend(config.model.attention_backend)
     off = graphs_off_reason(config, backend, shard.size)

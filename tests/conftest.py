@@ -11,7 +11,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.models import build_random_model
+import engine.model_loader  # noqa: E402
+from tests.models import build_random_model  # noqa: E402
+
+# The oracle of the token-exact tests is transformers in float32, so the suite runs in float32
+# wherever it does not name a dtype, also on a CPU where `--dtype auto` would pick bfloat16 (that
+# choice is tested on its own in test_config.py): in this process, and in the servers it starts.
+def _float32_suite() -> bool:
+    return False
+
+
+_float32_suite.__wrapped__ = engine.model_loader.cpu_multiplies_bf16  # the real probe, for its own test
+engine.model_loader.cpu_multiplies_bf16 = _float32_suite
+os.environ["PAGEDSERVE_DTYPE"] = "float32"
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from engine import model_loader
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from server import cli
@@ -151,3 +154,38 @@ def test_context_limit_caps_sliding_window_models() -> None:
     # Qwen2 declares a window but uses it only with use_sliding_window.
     assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=False)) == 1024
     assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=True)) == 64
+
+
+@pytest.mark.parametrize(("native_bf16", "want"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, native_bf16: bool,
+                                               want: torch.dtype) -> None:
+    monkeypatch.setattr(model_loader, "cpu_multiplies_bf16", lambda: native_bf16)
+    dtype, why = model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), torch.device("cpu"))
+    assert dtype == want
+    assert "auto" in why and "bfloat16" in why
+    # An explicit dtype is kept, whatever the CPU.
+    assert model_loader.resolve_dtype("float32", None, torch.device("cpu"))[0] == torch.float32
+
+
+def test_dtype_auto_on_a_gpu_takes_the_checkpoint_dtype_in_half_precision() -> None:
+    cuda = torch.device("cuda")
+    assert model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float16"), cuda)[0] == torch.float16
+    assert model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), cuda)[0] == torch.bfloat16
+
+
+def test_cpu_bf16_detection_reads_the_cpu_flags() -> None:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert model_loader.cpu_multiplies_bf16.__wrapped__() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_device_auto_takes_the_gpu_when_torch_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ModelConfig().device == "auto"
+    assert model_loader.resolve_device("cpu") == "cpu"
+    for available, want in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
+        assert model_loader.resolve_device("auto") == want
+
+
+def test_engine_writes_the_resolved_device_and_dtype_into_its_config(llm: LLM) -> None:
+    model = llm.engine.config.model
+    assert (model.device, model.dtype, model.attention_backend) == ("cpu", "float32", "cpu")
