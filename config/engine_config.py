@@ -49,7 +49,8 @@ class ModelConfig(_Strict):
     attention_backend: AttentionBackendName = Field(
         "auto", description="attention kernel (auto: on a GPU flash-attn 4, flash-attn 2, triton; on the CPU the C++ paged kernel, cpu; else torch)"
     )
-    enforce_eager: bool = Field(False, description="run decode steps eagerly instead of replaying CUDA graphs")
+    enforce_eager: bool = Field(
+        False, description="run decode steps eagerly instead of replaying CUDA graphs, and keep CPU weights unpacked")
 
 
 class CacheConfig(_Strict):

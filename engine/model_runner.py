@@ -117,6 +117,8 @@ def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tupl
     if device != config.model.device:
         config = config.model_copy(update={"model": config.model.model_copy(update={"device": device})})
     loaded = load_model(config.model, shard)
+    if not config.model.enforce_eager and loaded.model.pack_weights() and shard.rank == 0:
+        log.info("linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)")
     backend = build_backend(config.model.attention_backend)
     off = graphs_off_reason(config, backend, shard.size)
     if shard.rank == 0 and off is not None:

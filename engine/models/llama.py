@@ -25,6 +25,7 @@ from engine.errors import ModelLoadError
 from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.parallel.shard import Shard, all_reduce, gather_columns
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu.packed_linear import can_pack, pack, packed_linear
 
 
 class RMSNorm(nn.Module):
@@ -40,9 +41,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that runs on its prepacked CPU weight once `pack_weights` has made one."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """A linear layer whose input features are split across ranks: each rank's product is a
     partial sum, added up by an all-reduce; the bias is added once, after it."""
+
+    packed: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard) -> None:
         super().__init__()
@@ -50,10 +64,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight), self.shard)
+            return self._matmul(x, self.bias)
+        y = all_reduce(self._matmul(x, None), self.shard)
         return y if self.bias is None else y + self.bias
 
 
@@ -86,7 +105,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False)), shard)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -114,7 +133,7 @@ class MLP(nn.Module):
             raise ModelLoadError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.column0, self.intermediate = shard.split(cfg.intermediate_size)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +174,25 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.rows, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.rows, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> bool:
+        """Prepack every linear weight for oneDNN (CPU, bfloat16), after loading; the unpacked
+        copies are dropped, but the embedding's, which the lookup still reads. False if the
+        weights cannot be packed here."""
+        if not can_pack(self.embed_tokens.weight):
+            return False
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self.lm_head_packed = pack(head)
+        if not self.tie_word_embeddings:
+            self.lm_head.weight = None
+        for module in self.modules():
+            if isinstance(module, (Linear, RowParallelLinear)) and module.weight is not None:
+                module.packed = pack(module.weight)
+                module.weight = None
+        return True
 
     def init_rotary(self, max_positions: int) -> None:
         """Built after the weights are in place (the module is created on the meta device)."""
@@ -182,8 +218,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the vocabulary; under tensor parallelism on rank 0 only (None on
         the others). Every rank must call it with the same number of rows."""
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return gather_columns(F.linear(hidden, weight).float(), self.shard, self.config.vocab_size)
+        if self.lm_head_packed is not None:
+            logits = packed_linear(hidden, self.lm_head_packed, None)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
+        return gather_columns(logits.float(), self.shard, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up and reading only this
