@@ -1,12 +1,12 @@
 """CPU attention per layer: the C++ paged kernel (`--attention-backend cpu`) against the torch
 reference (gather, pad, mask, SDPA), on the same steps, one after the other in one process.
 
-    python bench/cpu_attention.py [--threads 2] [--dtype bfloat16] [--heads 12 --kv-heads 4 --dim 64]
+    python bench/cpu_attention.py [--threads 2] [--dtype bfloat16] [--heads 9 --kv-heads 3 --dim 64]
 
 Each case is one step of B requests with a context of C tokens each, Q new rows per request
 (Q = 1: decode; Q > 1: a prefill chunk after C - Q cached tokens), KV blocks shuffled in the
 pool. Reported: mean milliseconds of one layer's attention call (the reference's per-step plan
-is rebuilt every call, as each step does once for all layers) and the ratio.
+is made once per step and shared by --layers calls, as in the engine) and the ratio.
 """
 
 from __future__ import annotations
@@ -40,24 +40,27 @@ def make_step(batch: int, context: int, rows: int, block_size: int, heads: int, 
     return q, k, torch.randn_like(k), k_cache, v_cache, meta
 
 
-def time_ms(backend, step: tuple, repeats: int) -> float:
+def time_ms(backend, step: tuple, repeats: int, layers: int) -> float:
+    """Per layer, with a backend's per-step plan made once for `layers` layers, as in a step."""
     q, k, v, k_cache, v_cache, meta = step
     backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):
         meta.backend_plan = None
-        backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    return (time.perf_counter() - start) / repeats * 1e3
+        for _ in range(layers):
+            backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    return (time.perf_counter() - start) / (repeats * layers) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=9, help="default: the default model's")
+    parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--block-sizes", default="16,128")
+    parser.add_argument("--layers", type=int, default=30, help="layers sharing one step's plan (the default model's 30)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -67,9 +70,9 @@ def main() -> None:
     for batch, context, rows in CASES:
         for block_size in (int(b) for b in args.block_sizes.split(",")):
             step = make_step(batch, context, rows, block_size, args.heads, args.kv_heads, args.dim, dtype)
-            repeats = 20 if rows == 1 else 5
-            ref = time_ms(TorchReferenceBackend(), step, repeats)
-            cpu = time_ms(CpuPagedBackend(), step, repeats)
+            repeats = 3 if rows == 1 else 1
+            ref = time_ms(TorchReferenceBackend(), step, repeats, args.layers)
+            cpu = time_ms(CpuPagedBackend(), step, repeats, args.layers)
             print(f"| {batch} x {context}, {rows} | {block_size} | {ref:.2f} | {cpu:.2f} | {ref / cpu:.2f}x |", flush=True)
 
 

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -231,8 +230,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
         }
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-        auto run = [&](auto dim_tag) {
-            attend<scalar_t, decltype(dim_tag)::value>(
+        auto run = [&](auto vecs_tag) {
+            attend<scalar_t, decltype(vecs_tag)::value>(
                 q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                 out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p, items,
                 heads, kv_heads, dim, block_size, static_cast<float>(scale));

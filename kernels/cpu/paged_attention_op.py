@@ -3,7 +3,9 @@ imported and cached by torch's extension loader (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions), so only the first start on a machine pays the build (~30 s).
 
 Importing fails (and the backend selector says why) where no C++ compiler or ninja is found.
-Built for the host CPU (-march=native): the cache belongs to the machine that built it.
+Built for the host CPU (-march=native): the cache belongs to the machine that built it. Built
+with -fopenmp, or at::parallel_for (a header template) would run every work item on one thread;
+its OpenMP calls bind to the runtime torch has already loaded, so both share one thread pool.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ if (Path(_BIN) / "ninja").exists() and _BIN not in os.environ.get("PATH", "").sp
 _module = load(
     name="pagedserve_cpu_paged_attention",
     sources=[str(_SOURCE)],
-    extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
+    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
     verbose=False,
 )
 
