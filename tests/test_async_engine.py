@@ -13,6 +13,7 @@ import pytest
 from config import EngineConfig
 from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.errors import ModelLoadError
 from tests.models import finish_all
 from tests.server_harness import start_engine, wait_until_idle
 
@@ -139,3 +140,43 @@ def test_shutdown_aborts_requests_in_flight(llama_dir: Path) -> None:
     engine.shutdown()
     assert not engine.is_alive and engine.error is None
     assert not engine.thread.is_alive()
+
+
+def test_the_engine_is_built_on_the_thread_that_runs_it(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's CPU thread pool belongs to the thread that first computes: building the model on
+    the main thread and stepping it on another halved the server's parallelism on 2 cores."""
+    built_on = []
+    original = LLMEngine.__init__
+
+    def recording_init(self, config: EngineConfig) -> None:
+        built_on.append(threading.current_thread())
+        original(self, config)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64))
+    try:
+        assert built_on == [engine.thread] and engine.thread is not threading.main_thread()
+        engine.start()
+
+        async def one() -> list[int]:
+            params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            return [o async for o in engine.generate([5, 6, 7], params, "r0", [5, 6, 7])][-1].outputs[0].token_ids
+
+        assert len(asyncio.run(one())) == 3
+    finally:
+        engine.shutdown()
+    assert not engine.thread.is_alive()
+
+
+def test_a_build_error_reaches_the_caller_and_an_unstarted_engine_shuts_down(llama_dir: Path, tmp_path: Path) -> None:
+    def engine_threads() -> int:
+        return sum(t.name == "pagedserve-engine" for t in threading.enumerate())
+
+    before = engine_threads()
+    with pytest.raises(ModelLoadError):
+        AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(tmp_path / "missing")))
+    assert engine_threads() == before  # the builder thread ended with its error
+    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64))
+    engine.shutdown(timeout=5)  # never started: its thread must still end
+    assert not engine.thread.is_alive()
+    assert not engine.is_alive
