@@ -67,7 +67,8 @@ _WAKE = object()  # put on the inbox to make an idle engine thread look at the s
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, thread: threading.Thread) -> None:
+        """Made by from_config, on `thread`: the thread that built `engine` and will run it."""
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
@@ -79,8 +80,8 @@ class AsyncEngine:
         self._accepting = True  # False once the thread has taken its last look at the inbox
         # Called on the engine thread after every iteration, idle ones included (metrics).
         self.on_stats: Callable[[EngineStats], None] | None = None
-        self.thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._go = threading.Event()  # from_config's thread waits on it: set by start() or shutdown()
+        self.thread = thread
+        self._go = threading.Event()  # the thread waits on it before its loop: set by start() or shutdown()
         # A tensor-parallel worker's death wakes an idle thread, whose check_health() fails.
         engine.executor.on_failure = lambda: self._inbox.put(_WAKE)
 
@@ -95,7 +96,7 @@ class AsyncEngine:
 
         def build_then_run() -> None:
             try:
-                async_engine = cls(LLMEngine(config))
+                async_engine = cls(LLMEngine(config), threading.current_thread())
             except BaseException as exc:
                 built.put(exc)
                 return
@@ -109,16 +110,12 @@ class AsyncEngine:
         if isinstance(result, BaseException):
             thread.join()
             raise result
-        result.thread = thread
         return result
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        if self.thread.is_alive():  # from_config's thread, waiting
-            self._go.set()
-        else:
-            self.thread.start()
+        self._go.set()
 
     @property
     def is_alive(self) -> bool:
