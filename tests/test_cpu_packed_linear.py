@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from kernels.cpu.packed_linear import can_pack, pack, packed_linear
+from kernels.cpu.packed_linear import can_pack, linear, pack
 from tests.prompts import shared_prefix_prompts
 
 
@@ -23,7 +23,7 @@ def test_packed_linear_equals_f_linear(bias: bool, shape: tuple[int, ...]) -> No
     b = torch.randn(200, generator=gen).bfloat16() if bias else None
     x = torch.randn(*shape, generator=gen).bfloat16()
     assert can_pack(weight) and not can_pack(weight.float())
-    got = packed_linear(x, pack(weight), b)
+    got = linear(x, None, pack(weight), b)
     assert got.shape == (*shape[:-1], 200)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=0, rtol=0)
 

@@ -25,7 +25,7 @@ from engine.errors import ModelLoadError
 from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.parallel.shard import Shard, all_reduce, gather_columns
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.cpu.packed_linear import can_pack, pack, packed_linear
+from kernels.cpu.packed_linear import can_pack, linear, pack
 
 
 class RMSNorm(nn.Module):
@@ -47,9 +47,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -64,15 +62,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return self._matmul(x, self.bias)
-        y = all_reduce(self._matmul(x, None), self.shard)
+            return linear(x, self.weight, self.packed, self.bias)
+        y = all_reduce(linear(x, self.weight, self.packed, None), self.shard)
         return y if self.bias is None else y + self.bias
 
 
@@ -218,10 +211,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the vocabulary; under tensor parallelism on rank 0 only (None on
         the others). Every rank must call it with the same number of rows."""
-        if self.lm_head_packed is not None:
-            logits = packed_linear(hidden, self.lm_head_packed, None)
-        else:
-            logits = F.linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = linear(hidden, weight, self.lm_head_packed, None)
         return gather_columns(logits.float(), self.shard, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
