@@ -43,6 +43,7 @@ def make_step(batch: int, context: int, rows: int, block_size: int, heads: int, 
 def time_ms(backend, step: tuple, repeats: int, layers: int) -> float:
     """Per layer, with a backend's per-step plan made once for `layers` layers, as in a step."""
     q, k, v, k_cache, v_cache, meta = step
+    meta.backend_plan = None  # each backend makes its own
     backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):

@@ -5,13 +5,17 @@ backend and transformers."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from kernels.attention.cpu_backend import CpuPagedBackend
-from tests.attention_cases import DECODES, SHAPES, check_against_reference
+from kernels.attention.torch_ref import TorchReferenceBackend
+from kernels.cpu.paged_attention_op import paged_attention
+from tests.attention_cases import DECODES, SHAPES, check_against_reference, random_step
 from tests.models import hf_greedy
 from tests.prompts import shared_prefix_prompts
 
@@ -38,13 +42,38 @@ def test_half_precision_caches(dtype: torch.dtype) -> None:
     check_against_reference(CpuPagedBackend, 12, 4, 64, 16, SHAPES + LONG, dtype=dtype, atol=2e-2)
 
 
+def test_kernel_skips_the_chunks_left_to_sdpa() -> None:
+    """Called alone, the kernel writes the rows of requests up to `max_query_len` rows (equal to
+    the reference's) and leaves the longer chunks' rows as they were; with no limit it covers
+    long chunks too."""
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    q, k, v, caches, meta = random_step(gen, rng, [(300, 1), (150, 70), (40, 17), (129, 129)], 16, 9, 3, 64)
+    want = TorchReferenceBackend().forward(q, k, v, caches[0], caches[1], meta, 0.125)
+    long_rows = torch.zeros(len(q), dtype=torch.bool)
+    long_rows[1:71] = long_rows[88:] = True
+    for limit in (32, 2**31 - 1):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(out, q, caches[0], caches[1], meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, 0.125,
+                        limit)
+        written = ~long_rows if limit == 32 else torch.ones_like(long_rows)
+        assert out[~written].isnan().all()
+        torch.testing.assert_close(out[written], want[written], atol=2e-5, rtol=1e-5)
+
+
+# (shared prefix, token budget): chunks of at most 24 rows (all through the kernel); chunks of up
+# to 64 rows, fresh or after a cached prefix (through SDPA).
+@pytest.mark.parametrize(("prefix_len", "budget"), [(40, 24), (16, 64)])
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "qwen3_dir"])
-def test_engine_greedy_tokens_equal_the_reference_backend_and_transformers(model_fixture: str, request) -> None:
-    """Chunked (a 24-token budget), preempted (12 blocks of 16) and prefix-cached."""
+def test_engine_greedy_tokens_equal_the_reference_backend_and_transformers(
+    model_fixture: str, prefix_len: int, budget: int, request
+) -> None:
+    """Chunked, preempted (12 blocks of 16) and prefix-cached; the longest prompt first, so that
+    its first chunk is a fresh one."""
     model_dir = request.getfixturevalue(model_fixture)
-    prompts = [p[:70] for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(model_dir), prefix_len=40)][:6]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=prefix_len)][5::-1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    settings = {"max_num_batched_tokens": 24, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128,
+    settings = {"max_num_batched_tokens": budget, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128,
                 "max_num_seqs": 6, "dtype": "float32"}
     outputs = {}
     for backend in ("torch", "cpu"):

@@ -202,9 +202,11 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 
 // out, q: [tokens, heads, dim]; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
 // block_tables: [requests, max_blocks] int32; cu_seqlens_q: [requests + 1] int32;
-// seqlens_k: [requests] int32 (context length including the new tokens).
+// seqlens_k: [requests] int32 (context length including the new tokens). Requests with more
+// than max_query_len query rows are skipped: their rows of `out` are left to the caller.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k, double scale) {
+                     torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k, double scale,
+                     int64_t max_query_len) {
     TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "paged_attention: q, out and the caches must be contiguous");
     TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt, "block_tables: contiguous int32");
@@ -223,6 +225,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     std::vector<WorkItem> items;
     for (int32_t r = 0; r < requests; ++r) {
         const int32_t q_len = cu_p[r + 1] - cu_p[r];
+        if (q_len > max_query_len) continue;
         for (int32_t row0 = 0; row0 < q_len; row0 += kRowTile) {
             for (int32_t h = 0; h < kv_heads; ++h) {
                 items.push_back({r, h, row0, std::min<int32_t>(q_len, row0 + kRowTile)});
