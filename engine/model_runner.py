@@ -18,6 +18,7 @@ from engine.model_loader import LoadedModel, load_model, resolve_device
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, build_backend
+from kernels.cpu.malloc import keep_freed_memory
 from kernels.kv_store import copy_blocks
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tupl
         device = f"cuda:{shard.rank}"
     if device != config.model.device:
         config = config.model_copy(update={"model": config.model.model_copy(update={"device": device})})
+    if device == "cpu":
+        why_not = keep_freed_memory()
+        if why_not is not None and shard.rank == 0:
+            log.warning("freed CPU memory goes back to the kernel (%s): each step page-faults its activations", why_not)
     loaded = load_model(config.model, shard)
     if not config.model.enforce_eager and loaded.model.pack_weights() and shard.rank == 0:
         log.info("linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)")
