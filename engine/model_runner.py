@@ -124,6 +124,10 @@ def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tupl
     loaded = load_model(config.model, shard)
     if not config.model.enforce_eager and loaded.model.pack_weights() and shard.rank == 0:
         log.info("linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)")
+    if device == "cpu" and not config.model.enforce_eager:
+        why_not = loaded.model.fuse_cpu_ops()
+        if why_not is not None and shard.rank == 0:
+            log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
     backend = build_backend(config.model.attention_backend)
     off = graphs_off_reason(config, backend, shard.size)
     if shard.rank == 0 and off is not None:

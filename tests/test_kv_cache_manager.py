@@ -431,9 +431,15 @@ def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Pa
     fresh_tokens = finish_all(fresh)[fresh_id]
 
     # The cached blocks, and the blocks computed on top of them, hold the same K/V as a run
-    # that computed the whole prompt itself.
-    for got, want in zip(served, recomputed, strict=True):
-        assert torch.equal(got, want)
+    # that computed the whole prompt itself: the first layer's bitwise; later layers' to float32
+    # rounding, as the 13-row chunk's attention (the CPU kernel) and the whole prompt's (SDPA)
+    # add in different orders. A wrong block would differ by the values' own size.
+    layer0 = 2  # K and V of layer 0
+    for i, (got, want) in enumerate(zip(served, recomputed, strict=True)):
+        if i < layer0:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert len(cached_tokens) == 6
     assert cached_tokens == fresh_tokens
     for engine in (cached, fresh):

@@ -15,6 +15,7 @@ rank's slices from the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -34,11 +35,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    fused: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x)."""
+        if fused is not None:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 class Linear(nn.Linear):
@@ -113,7 +124,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        if ctx.fused is not None:  # in place, on the qkv output (or the normed copies)
+            cos, sin = ctx.cos[:, 0], ctx.sin[:, 0]
+            ctx.fused.rotary_(q, cos, sin)
+            ctx.fused.rotary_(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -129,8 +145,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, bias, shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -143,18 +162,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x, ctx.fused), ctx)
+        h, x = self.post_attention_layernorm.add_forward(attn, x, ctx.fused)
+        return x + self.mlp(h, ctx.fused)
 
 
 class ForwardContext:
     """What every layer needs for one step besides its input."""
 
-    def __init__(self, cos_sin, backend: AttentionBackend, kv_caches, meta: AttentionMetadata) -> None:
+    def __init__(self, cos_sin, backend: AttentionBackend, kv_caches, meta: AttentionMetadata,
+                 fused: ModuleType | None) -> None:
         self.cos, self.sin = cos_sin
         self.backend = backend
         self.kv_caches = kv_caches
         self.meta = meta
+        self.fused = fused  # kernels.cpu.fused_ops once `fuse_cpu_ops` has loaded it, else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.rows, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.lm_head_packed: torch.Tensor | None = None
+        self.fused_ops: ModuleType | None = None
 
     def pack_weights(self) -> bool:
         """Prepack every linear weight for oneDNN (CPU, bfloat16), after loading; the unpacked
@@ -187,6 +210,18 @@ class LlamaForCausalLM(nn.Module):
                 module.weight = None
         return True
 
+    def fuse_cpu_ops(self) -> str | None:
+        """Run the norms, residual adds, rotary and SiLU-mul through kernels/cpu/fused_ops (built
+        on first use). None when done, else why not: the layers then keep their torch ops."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            return "not on the CPU"
+        try:
+            from kernels.cpu import fused_ops
+        except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja: the build failed
+            return f"kernels.cpu.fused_ops could not be built: {exc}"
+        self.fused_ops = fused_ops
+        return None
+
     def init_rotary(self, max_positions: int) -> None:
         """Built after the weights are in place (the module is created on the meta device)."""
         weight = self.embed_tokens.weight
@@ -202,11 +237,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        ctx = ForwardContext(self.rotary.lookup(positions), backend, kv_caches, meta)
+        ctx = ForwardContext(self.rotary.lookup(positions), backend, kv_caches, meta, self.fused_ops)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
-        return self.norm(x)
+        return self.norm(x, self.fused_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the vocabulary; under tensor parallelism on rank 0 only (None on

@@ -33,14 +33,14 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
 // exp(x) for x <= 0 (softmax arguments), all lanes at once: 2^(x log2 e) split into an integer
-// power (exponent bits) and a degree-6 polynomial of the fraction (relative error ~2e-7, below
-// float32's own rounding of the sums it feeds).
+// power (exponent bits) and the degree-6 Taylor polynomial of 2^f for the remainder |f| <= 1/2
+// (relative error ~2e-7, about float32's own rounding of the sums it feeds).
 inline f16v exp_nonpositive(f16v x) {
     x = x < -87.0f ? f16v{} - 87.0f : x;
     const f16v t = x * 1.4426950408889634f;
-    const i16v truncated = __builtin_convertvector(t, i16v);
-    f16v whole = __builtin_convertvector(truncated, f16v);
-    whole = whole > t ? whole - 1.0f : whole;  // floor for negative t
+    const f16v shifted = t + 0.5f;
+    f16v whole = __builtin_convertvector(__builtin_convertvector(shifted, i16v), f16v);
+    whole = whole > shifted ? whole - 1.0f : whole;  // floor(t + 1/2): the nearest integer
     const f16v f = t - whole;
     f16v p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
     p = p * f + 9.6181291076284772e-3f;
