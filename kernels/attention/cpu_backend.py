@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.backend import AttentionMetadata
-from kernels.attention.torch_ref import context_slots
+from kernels.attention.torch_ref import context_slots, visible_keys
 from kernels.cpu.paged_attention_op import paged_attention
 from kernels.kv_store import store_kv
 
@@ -44,9 +44,8 @@ def _plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, device: 
         if ctx == q_len:
             chunks.append(_Chunk(rows, None, None))
             continue
-        # Query row r sits at position ctx - q_len + r and sees the keys up to it.
-        visible = torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(ctx - q_len)
-        mask = torch.zeros(q_len, ctx, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        hidden = ~visible_keys(q_len, ctx, device)
+        mask = torch.zeros(q_len, ctx, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
         chunks.append(_Chunk(rows, context_slots(meta.block_tables[i], ctx, block_size), mask))
     return chunks
 
@@ -72,7 +71,7 @@ class CpuPagedBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        num_blocks, block_size, kv_heads, dim = k_cache.shape
+        _, block_size, kv_heads, dim = k_cache.shape
         if meta.backend_plan is None:  # the same in every layer
             meta.backend_plan = _plan(meta, block_size, q.dtype, q.device)
         chunks: list[_Chunk] = meta.backend_plan

@@ -41,6 +41,13 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
     return block_table.long()[pos // block_size] * block_size + pos % block_size
 
 
+def visible_keys(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx] bool: the keys each row of a chunk after cached context sees (row r sits at
+    position ctx - q_len + r and sees the keys up to it)."""
+    rows = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
+    return torch.arange(ctx, device=device).unsqueeze(0) <= rows
+
+
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
     starts = [0, *itertools.accumulate(meta.query_lens)]  # host lists: no device sync
     decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
@@ -61,9 +68,7 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
             ctx = meta.context_lens[i]
             mask = None
             if ctx != q_len:
-                # Query row r sits at position ctx - q_len + r and sees keys up to it.
-                rows = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
-                mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
+                mask = visible_keys(q_len, ctx, device)
             prefills.append(_Prefill(starts[i], q_len, context_slots(meta.block_tables[i], ctx, block_size), mask))
     return _Plan(decode_rows, decode_slots, decode_mask, prefills)
 
