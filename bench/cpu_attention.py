@@ -24,17 +24,35 @@ from kernels.attention.torch_ref import TorchReferenceBackend
 CASES = [(16, 128, 1), (16, 512, 1), (16, 2048, 1), (4, 8192, 1), (1, 1024, 1024), (1, 2048, 512)]
 
 
-def make_step(batch: int, context: int, rows: int, block_size: int, heads: int, kv_heads: int, dim: int,
-              dtype: torch.dtype) -> tuple:
+def make_step(
+    batch: int,
+    context: int,
+    rows: int,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+) -> tuple:
     per_request = -(-context // block_size)
     num_blocks = batch * per_request + 1
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    tables = (torch.randperm(num_blocks - 1)[: batch * per_request] + 1).view(batch, per_request).int()
+    tables = (
+        (torch.randperm(num_blocks - 1)[: batch * per_request] + 1).view(batch, per_request).int()
+    )
     positions = torch.arange(context - rows, context)
-    slots = (tables.long()[:, positions // block_size] * block_size + positions % block_size).flatten()
-    meta = AttentionMetadata(slots, tables, torch.arange(0, batch * rows + 1, rows, dtype=torch.int32),
-                             torch.full((batch,), context, dtype=torch.int32), [rows] * batch, [context] * batch)
+    slots = (
+        tables.long()[:, positions // block_size] * block_size + positions % block_size
+    ).flatten()
+    meta = AttentionMetadata(
+        slots,
+        tables,
+        torch.arange(0, batch * rows + 1, rows, dtype=torch.int32),
+        torch.full((batch,), context, dtype=torch.int32),
+        [rows] * batch,
+        [context] * batch,
+    )
     q = torch.randn(batch * rows, heads, dim, dtype=dtype)
     k = torch.randn(batch * rows, kv_heads, dim, dtype=dtype)
     return q, k, torch.randn_like(k), k_cache, v_cache, meta
@@ -54,27 +72,41 @@ def time_ms(backend, step: tuple, repeats: int, layers: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--heads", type=int, default=9, help="default: the default model's")
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--block-sizes", default="16,128")
-    parser.add_argument("--layers", type=int, default=30, help="layers sharing one step's plan (the default model's 30)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=30,
+        help="layers sharing one step's plan (the default model's 30)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"{args.dtype}, {args.heads}/{args.kv_heads} heads of {args.dim}, {args.threads} threads; ms per layer")
+    print(
+        f"{args.dtype}, {args.heads}/{args.kv_heads} heads of {args.dim}, {args.threads} threads; ms per layer"
+    )
     print("| requests x context, new rows | block | torch reference | cpu kernel | speed-up |")
     print("|---|---:|---:|---:|---:|")
     for batch, context, rows in CASES:
         for block_size in (int(b) for b in args.block_sizes.split(",")):
-            step = make_step(batch, context, rows, block_size, args.heads, args.kv_heads, args.dim, dtype)
+            step = make_step(
+                batch, context, rows, block_size, args.heads, args.kv_heads, args.dim, dtype
+            )
             repeats = 3 if rows == 1 else 1
             ref = time_ms(TorchReferenceBackend(), step, repeats, args.layers)
             cpu = time_ms(CpuPagedBackend(), step, repeats, args.layers)
-            print(f"| {batch} x {context}, {rows} | {block_size} | {ref:.2f} | {cpu:.2f} | {ref / cpu:.2f}x |", flush=True)
+            print(
+                f"| {batch} x {context}, {rows} | {block_size} | {ref:.2f} | {cpu:.2f} | {ref / cpu:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

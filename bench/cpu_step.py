@@ -56,14 +56,33 @@ class Timer:
         setattr(owner, name, timed)
 
 
-def run(model_dir: Path | None, dtype: str, backend: str, eager: bool, context: int, batch: int, steps: int,
-        bandwidth: float) -> dict:
+def run(
+    model_dir: Path | None,
+    dtype: str,
+    backend: str,
+    eager: bool,
+    context: int,
+    batch: int,
+    steps: int,
+    bandwidth: float,
+) -> dict:
     max_len = context + steps + 8
-    llm = LLM(None if model_dir is None else str(model_dir), dtype=dtype, attention_backend=backend, enforce_eager=eager,
-              max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              block_size=16, num_kv_blocks=batch * -(-max_len // 16))
+    llm = LLM(
+        None if model_dir is None else str(model_dir),
+        dtype=dtype,
+        attention_backend=backend,
+        enforce_eager=eager,
+        max_model_len=max_len,
+        max_num_seqs=batch,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        block_size=16,
+        num_kv_blocks=batch * -(-max_len // 16),
+    )
     engine = llm.engine
-    llm.generate([[1000] * 64] * 2, SamplingParams(max_tokens=2))  # warm-up: first calls pay one-off costs
+    llm.generate(
+        [[1000] * 64] * 2, SamplingParams(max_tokens=2)
+    )  # warm-up: first calls pay one-off costs
     rng = random.Random(context)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
@@ -81,42 +100,65 @@ def run(model_dir: Path | None, dtype: str, backend: str, eager: bool, context: 
     step_s = (time.perf_counter() - started) / steps
     model = runner.model
     packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    packed += [model.lm_head_packed] if model.lm_head_packed is not None and not model.tie_word_embeddings else []
+    packed += (
+        [model.lm_head_packed]
+        if model.lm_head_packed is not None and not model.tie_word_embeddings
+        else []
+    )
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
     kv = batch * (context + steps / 2) * kv_bytes_per_block(engine.hf_config, 1, runner.dtype)
     floor_s = (weights + kv) / bandwidth
     del llm
     gc.collect()
-    return {"context": context, "batch": batch,
-            "prefill_tok_s": batch * context / prefill_s, "step_ms": step_s * 1e3,
-            "attention_ms": attention.seconds / steps * 1e3, "model_ms": (execute.seconds - attention.seconds) / steps * 1e3,
-            "host_ms": (step_s * steps - execute.seconds) / steps * 1e3, "floor_ms": floor_s * 1e3}
+    return {
+        "context": context,
+        "batch": batch,
+        "prefill_tok_s": batch * context / prefill_s,
+        "step_ms": step_s * 1e3,
+        "attention_ms": attention.seconds / steps * 1e3,
+        "model_ms": (execute.seconds - attention.seconds) / steps * 1e3,
+        "host_ms": (step_s * steps - execute.seconds) / steps * 1e3,
+        "floor_ms": floor_s * 1e3,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model_dir", nargs="?", type=Path, default=None)
-    parser.add_argument("--configs", default="float32:torch:eager,bfloat16:torch:eager,bfloat16:torch,bfloat16:cpu")
+    parser.add_argument(
+        "--configs", default="float32:torch:eager,bfloat16:torch:eager,bfloat16:torch,bfloat16:cpu"
+    )
     parser.add_argument("--contexts", default="128,512,2048,8160")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--long-batch", type=int, default=4, help="requests from 8000 tokens of context on")
+    parser.add_argument(
+        "--long-batch", type=int, default=4, help="requests from 8000 tokens of context on"
+    )
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     model = "the default model" if args.model_dir is None else args.model_dir.name
     print(f"{model}, {torch.get_num_threads()} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print("| dtype | attention | weights | context | requests | prefill tok/s | decode step ms | attention ms | "
-          "rest of model ms | host ms | floor ms | step / floor |")
+    print(
+        "| dtype | attention | weights | context | requests | prefill tok/s | decode step ms | attention ms | "
+        "rest of model ms | host ms | floor ms | step / floor |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in args.configs.split(","):
         dtype, backend, *eager = config.split(":")
         weights = "as loaded" if eager else "prepacked" if dtype == "bfloat16" else "as loaded"
         for context in (int(c) for c in args.contexts.split(",")):
             batch = args.batch if context < 8000 else args.long_batch
-            r = run(args.model_dir, dtype, backend, bool(eager), context, batch, args.steps, bandwidth)
-            print(f"| {dtype} | {backend} | {weights} | {context} | {batch} | {r['prefill_tok_s']:.0f} | {r['step_ms']:.1f} | "
-                  f"{r['attention_ms']:.1f} | {r['model_ms']:.1f} | {r['host_ms']:.1f} | {r['floor_ms']:.1f} | "
-                  f"{r['step_ms'] / r['floor_ms']:.1f}x |", flush=True)
+            r = run(
+                args.model_dir, dtype, backend, bool(eager), context, batch, args.steps, bandwidth
+            )
+            print(
+                f"| {dtype} | {backend} | {weights} | {context} | {batch} | {r['prefill_tok_s']:.0f} | {r['step_ms']:.1f} | "
+                f"{r['attention_ms']:.1f} | {r['model_ms']:.1f} | {r['host_ms']:.1f} | {r['floor_ms']:.1f} | "
+                f"{r['step_ms'] / r['floor_ms']:.1f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

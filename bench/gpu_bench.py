@@ -39,12 +39,16 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script: `bench.*` and `tests.models` come from this checkout
+sys.path.insert(
+    0, str(REPO)
+)  # run as a script: `bench.*` and `tests.models` come from this checkout
 
 from bench.gpu_bench_models import SPECS  # noqa: E402
 
 Record = dict[str, object]
-RESERVE_S = 20  # of a --time-limit-s, kept for each stage still to come, so that none starts with nothing
+RESERVE_S = (
+    20  # of a --time-limit-s, kept for each stage still to come, so that none starts with nothing
+)
 
 
 @dataclass(frozen=True)
@@ -68,26 +72,59 @@ class Settings:
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true",
-                        help="a CPU smoke run: 2-layer models, 8 requests of 4-16 tokens, float32")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu with --tiny)")
-    parser.add_argument("--num-requests", type=int, default=None, help="default 256 (8 with --tiny)")
-    parser.add_argument("--min-len", type=int, default=None, help="shortest prompt and output (default 100; 4)")
-    parser.add_argument("--max-len", type=int, default=None, help="longest prompt and output (default 1024; 16)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a CPU smoke run: 2-layer models, 8 requests of 4-16 tokens, float32",
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda; cpu with --tiny)"
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="default 256 (8 with --tiny)"
+    )
+    parser.add_argument(
+        "--min-len", type=int, default=None, help="shortest prompt and output (default 100; 4)"
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=None, help="longest prompt and output (default 1024; 16)"
+    )
     parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_bench.json")
-    parser.add_argument("--hf-requests", type=int, default=None,
-                        help="requests timed on transformers (default: one static batch of the model's size; all with --tiny)")
-    parser.add_argument("--decode-batches", default=None, help="comma-separated batch sizes (default 1,32,128; 1,4)")
-    parser.add_argument("--decode-context", type=int, default=None, help="default 512 (16 with --tiny)")
-    parser.add_argument("--decode-steps", type=int, default=None, help="timed steps per batch size (default 32; 4)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="passed to the engine when given (default: the engine's own)")
-    parser.add_argument("--enforce-eager", action="store_true", help="passed to the engine: no CUDA graphs")
-    parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop starting stages past this many seconds; a stage cut short is reported")
+    parser.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="requests timed on transformers (default: one static batch of the model's size; all with --tiny)",
+    )
+    parser.add_argument(
+        "--decode-batches", default=None, help="comma-separated batch sizes (default 1,32,128; 1,4)"
+    )
+    parser.add_argument(
+        "--decode-context", type=int, default=None, help="default 512 (16 with --tiny)"
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=None, help="timed steps per batch size (default 32; 4)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="passed to the engine when given (default: the engine's own)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="passed to the engine: no CUDA graphs"
+    )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="stop starting stages past this many seconds; a stage cut short is reported",
+    )
     args = parser.parse_args(argv)
     tiny = args.tiny
 
@@ -97,8 +134,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     device = pick(args.device, "cuda", "cpu")
     max_len = pick(args.max_len, 1024, 16)
     engine_args: Record = {
-        "device": device, "dtype": "float32" if device == "cpu" else "bfloat16",
-        "enable_prefix_caching": False, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+        "device": device,
+        "dtype": "float32" if device == "cpu" else "bfloat16",
+        "enable_prefix_caching": False,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
     }
     if tiny:  # the CPU default pool (1 GiB) takes longer to allocate than the tiny run takes
         engine_args["num_kv_blocks"] = 256
@@ -108,12 +148,22 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
     settings = Settings(
-        device=device, dtype=engine_args["dtype"], tiny=tiny,
-        num_requests=pick(args.num_requests, 256, 8), min_len=pick(args.min_len, 100, 4), max_len=max_len,
-        models=args.models, seed=args.seed, hf_requests=args.hf_requests,
+        device=device,
+        dtype=engine_args["dtype"],
+        tiny=tiny,
+        num_requests=pick(args.num_requests, 256, 8),
+        min_len=pick(args.min_len, 100, 4),
+        max_len=max_len,
+        models=args.models,
+        seed=args.seed,
+        hf_requests=args.hf_requests,
         decode_batches=[int(b) for b in pick(args.decode_batches, "1,32,128", "1,4").split(",")],
-        decode_context=pick(args.decode_context, 512, 16), decode_steps=pick(args.decode_steps, 32, 4),
-        copy_bytes=2**26 if tiny else 2**30, engine_args=engine_args, out=args.out, time_limit_s=args.time_limit_s,
+        decode_context=pick(args.decode_context, 512, 16),
+        decode_steps=pick(args.decode_steps, 32, 4),
+        copy_bytes=2**26 if tiny else 2**30,
+        engine_args=engine_args,
+        out=args.out,
+        time_limit_s=args.time_limit_s,
     )
     if not 1 <= settings.min_len <= settings.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
@@ -147,7 +197,12 @@ def decode_plan(settings: Settings) -> list[Record]:
     prompt_len = max(1, settings.decode_context - 1 - (steps - 1) // 2)
     budget = int(settings.engine_args["max_num_batched_tokens"])
     return [
-        {"batch": b, "prompt_len": prompt_len, "steps": steps, "max_tokens": steps + math.ceil(b * prompt_len / budget) + 8}
+        {
+            "batch": b,
+            "prompt_len": prompt_len,
+            "steps": steps,
+            "max_tokens": steps + math.ceil(b * prompt_len / budget) + 8,
+        }
         for b in settings.decode_batches
     ]
 
@@ -174,9 +229,15 @@ class Stages:
                 self.log.append({"stage": name, "seconds": 0.0, "status": "skipped"})
                 return {}, "skipped: time limit reached"
             timeout = max(remaining - RESERVE_S * self.left, min(remaining, RESERVE_S))
-        task_file, result_file = self.workdir / f"{name}.task.json", self.workdir / f"{name}.result.json"
+        task_file, result_file = (
+            self.workdir / f"{name}.task.json",
+            self.workdir / f"{name}.result.json",
+        )
         task_file.write_text(json.dumps(task))
-        print(f"--- {name}" + (f" (at most {timeout:.0f} s)" if timeout is not None else ""), flush=True)
+        print(
+            f"--- {name}" + (f" (at most {timeout:.0f} s)" if timeout is not None else ""),
+            flush=True,
+        )
         start = time.monotonic()
         cmd = [sys.executable, "-m", "bench.gpu_bench_worker", str(task_file), str(result_file)]
         try:
@@ -198,7 +259,13 @@ def part(parts: Record, key: str, stopped: str | None) -> Record:
     return parts.get(key) or {"status": stopped or "failed: not recorded"}
 
 
-def run_model(stages: Stages, settings: Settings, name: str, model: Record, lengths: tuple[list[int], list[int]]) -> Record:
+def run_model(
+    stages: Stages,
+    settings: Settings,
+    name: str,
+    model: Record,
+    lengths: tuple[list[int], list[int]],
+) -> Record:
     prompt_lens, output_lens = lengths
     # Each model's own prompts, the same whichever --models run with it.
     prompts = random_prompts(prompt_lens, model, settings.seed + 1 + list(SPECS).index(name))
@@ -206,23 +273,46 @@ def run_model(stages: Stages, settings: Settings, name: str, model: Record, leng
     plans = decode_plan(settings) if name == "qwen3-0.6b" else []
     longest = max([settings.max_len * 2] + [p["prompt_len"] + p["max_tokens"] for p in plans])
     warmup = {"warmup_prompt_len": 4 if settings.tiny else 32, "warmup_output_len": 4}
-    paged, stopped = stages.run(f"pagedserve-{name}", {
-        "kind": "pagedserve", "model_dir": model["folder"], "device": settings.device, "tiny": settings.tiny, "prompts": prompts,
-        "output_lens": output_lens, "engine_args": {**settings.engine_args, "max_model_len": longest}, **warmup,
-        "decode": {"plans": plans, "copy_bytes": settings.copy_bytes} if plans else None,
-    })
+    paged, stopped = stages.run(
+        f"pagedserve-{name}",
+        {
+            "kind": "pagedserve",
+            "model_dir": model["folder"],
+            "device": settings.device,
+            "tiny": settings.tiny,
+            "prompts": prompts,
+            "output_lens": output_lens,
+            "engine_args": {**settings.engine_args, "max_model_len": longest},
+            **warmup,
+            "decode": {"plans": plans, "copy_bytes": settings.copy_bytes} if plans else None,
+        },
+    )
     result: Record = {"pagedserve": part(paged, "throughput", stopped)}
     if plans:
         result["bandwidth"] = part(paged, "bandwidth", stopped)
-        result["decode"] = [{"batch": p["batch"], **part(paged, f"decode_{p['batch']}", stopped)} for p in plans]
+        result["decode"] = [
+            {"batch": p["batch"], **part(paged, f"decode_{p['batch']}", stopped)} for p in plans
+        ]
     batch_size = spec.tiny_hf_batch_size if settings.tiny else spec.hf_batch_size
     # The tiny run times every request, so that the static loop runs more than one batch.
-    count = min(settings.num_requests, settings.hf_requests or (settings.num_requests if settings.tiny else batch_size))
-    hf, stopped = stages.run(f"transformers-{name}", {
-        "kind": "transformers", "model_dir": model["folder"], "device": settings.device, "dtype": settings.dtype,
-        "prompts": prompts[:count], "output_lens": output_lens[:count], "batch_size": batch_size,
-        "tiny": settings.tiny, **warmup,
-    })
+    count = min(
+        settings.num_requests,
+        settings.hf_requests or (settings.num_requests if settings.tiny else batch_size),
+    )
+    hf, stopped = stages.run(
+        f"transformers-{name}",
+        {
+            "kind": "transformers",
+            "model_dir": model["folder"],
+            "device": settings.device,
+            "dtype": settings.dtype,
+            "prompts": prompts[:count],
+            "output_lens": output_lens[:count],
+            "batch_size": batch_size,
+            "tiny": settings.tiny,
+            **warmup,
+        },
+    )
     result["transformers_static"] = {"batch_size": batch_size, **part(hf, "static", stopped)}
     result["transformers_generate_batch"] = part(hf, "generate_batch", stopped)
     return result
@@ -237,9 +327,19 @@ def decode_rows(model: Record, result: Record) -> list[Record]:
         if measured["status"] != "ok" or bandwidth["status"] != "ok":
             rows.append(measured)
             continue
-        bytes_read = model["weight_bytes"] + measured["batch"] * measured["mean_context"] * model["kv_bytes_per_token"]
+        bytes_read = (
+            model["weight_bytes"]
+            + measured["batch"] * measured["mean_context"] * model["kv_bytes_per_token"]
+        )
         floor_s = bytes_read / bandwidth["bytes_per_s"]
-        rows.append({**measured, "bytes_read": bytes_read, "floor_s": floor_s, "ratio": measured["step_s"] / floor_s})
+        rows.append(
+            {
+                **measured,
+                "bytes_read": bytes_read,
+                "floor_s": floor_s,
+                "ratio": measured["step_s"] / floor_s,
+            }
+        )
     return rows
 
 
@@ -247,7 +347,9 @@ def decode_rows(model: Record, result: Record) -> list[Record]:
 
 
 def fmt_rate(r: Record) -> str:
-    return f"{r['output_tok_s']:.1f}" if r["status"] == "ok" else r["status"][:100].replace("|", "/")
+    return (
+        f"{r['output_tok_s']:.1f}" if r["status"] == "ok" else r["status"][:100].replace("|", "/")
+    )
 
 
 def markdown(report: Record) -> str:
@@ -280,24 +382,46 @@ def markdown(report: Record) -> str:
         ]
         for system, r in systems:
             ok = r["status"] == "ok"
-            ratio = f"{r['output_tok_s'] / static['output_tok_s']:.2f}x" if ok and static["status"] == "ok" else "-"
+            ratio = (
+                f"{r['output_tok_s'] / static['output_tok_s']:.2f}x"
+                if ok and static["status"] == "ok"
+                else "-"
+            )
             total = f"{r['total_tok_s']:.1f}" if ok else "-"
-            lines.append(f"| {label} | {system} | {r.get('requests', '-')} | {fmt_rate(r)} | {total} | {ratio} |")
+            lines.append(
+                f"| {label} | {system} | {r.get('requests', '-')} | {fmt_rate(r)} | {total} | {ratio} |"
+            )
     for name, result in report["models"].items():
         engine = result["pagedserve"].get("engine")
         if engine:
             sizes = engine["cuda_graph_batch_sizes"]
-            graphs = f"decode CUDA graphs for {len(sizes)} batch sizes up to {max(sizes)}" if sizes else "no CUDA graphs"
-            lines.append(f"\npagedserve on the {SPECS[name].label}: KV pool {engine['kv_blocks']} blocks x "
-                         f"{engine['block_size']} tokens, max_model_len {engine['max_model_len']}, "
-                         f"{engine['attention_backend']}, {graphs}, loaded in {result['pagedserve']['load_s']:.1f} s.")
-        if any(r["status"] == "ok" and r["output_tokens"] != r["requested_tokens"] for r in
-               (result["pagedserve"], result["transformers_static"], result["transformers_generate_batch"])):
-            lines.append(f"\n**{SPECS[name].label}: a system produced other token counts than requested (see JSON).**")
+            graphs = (
+                f"decode CUDA graphs for {len(sizes)} batch sizes up to {max(sizes)}"
+                if sizes
+                else "no CUDA graphs"
+            )
+            lines.append(
+                f"\npagedserve on the {SPECS[name].label}: KV pool {engine['kv_blocks']} blocks x "
+                f"{engine['block_size']} tokens, max_model_len {engine['max_model_len']}, "
+                f"{engine['attention_backend']}, {graphs}, loaded in {result['pagedserve']['load_s']:.1f} s."
+            )
+        if any(
+            r["status"] == "ok" and r["output_tokens"] != r["requested_tokens"]
+            for r in (
+                result["pagedserve"],
+                result["transformers_static"],
+                result["transformers_generate_batch"],
+            )
+        ):
+            lines.append(
+                f"\n**{SPECS[name].label}: a system produced other token counts than requested (see JSON).**"
+            )
         gb = result["transformers_generate_batch"]
         if gb["status"] == "ok":
-            lines.append(f"\ngenerate_batch on the {SPECS[name].label}: timed from {gb['timed_from']} "
-                         f"({gb['seconds']:.1f} s; the whole call took {gb['call_s']:.1f} s).")
+            lines.append(
+                f"\ngenerate_batch on the {SPECS[name].label}: timed from {gb['timed_from']} "
+                f"({gb['seconds']:.1f} s; the whole call took {gb['call_s']:.1f} s)."
+            )
     for name, result in report["models"].items():
         if "decode" not in result:
             continue
@@ -314,12 +438,18 @@ def markdown(report: Record) -> str:
         ]
         for row in result["decode_rows"]:
             if row["status"] != "ok":
-                lines.append(f"| {row['batch']} | - | - | {row['status'][:100].replace('|', '/')} | - | - |")
+                lines.append(
+                    f"| {row['batch']} | - | - | {row['status'][:100].replace('|', '/')} | - | - |"
+                )
             elif "floor_s" not in row:  # the bandwidth was not measured: no floor
-                lines.append(f"| {row['batch']} | {row['mean_context']:.0f} | - | {row['step_s'] * 1e3:.2f} | - | - |")
+                lines.append(
+                    f"| {row['batch']} | {row['mean_context']:.0f} | - | {row['step_s'] * 1e3:.2f} | - | - |"
+                )
             else:
-                lines.append(f"| {row['batch']} | {row['mean_context']:.0f} | {row['bytes_read'] / 1e9:.2f} | "
-                             f"{row['step_s'] * 1e3:.2f} | {row['floor_s'] * 1e3:.3f} | {row['ratio']:.1f}x |")
+                lines.append(
+                    f"| {row['batch']} | {row['mean_context']:.0f} | {row['bytes_read'] / 1e9:.2f} | "
+                    f"{row['step_s'] * 1e3:.2f} | {row['floor_s'] * 1e3:.3f} | {row['ratio']:.1f}x |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -327,7 +457,10 @@ def failures(report: Record) -> list[str]:
     """What must work: every pagedserve and transformers-generate measurement (not generate_batch)."""
     bad = []
     for name, result in report["models"].items():
-        checked = [("pagedserve", result["pagedserve"]), ("transformers generate", result["transformers_static"])]
+        checked = [
+            ("pagedserve", result["pagedserve"]),
+            ("transformers generate", result["transformers_static"]),
+        ]
         if "decode_rows" in result:
             checked += [("copy bandwidth", result["bandwidth"])]
             checked += [(f"decode batch {r['batch']}", r) for r in result["decode_rows"]]
@@ -339,25 +472,39 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     report: Record = {
-        "meta": {"date": started, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-                 "settings": settings.__dict__},
+        "meta": {
+            "date": started,
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            "settings": settings.__dict__,
+        },
         "models": {},
     }
     lengths = workload_lengths(settings)
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         stages = Stages(Path(tmp), settings.time_limit_s, 1 + 2 * len(settings.models))
-        built, stopped = stages.run("build", {
-            "kind": "build", "models": settings.models, "root": tmp, "device": settings.device,
-            "dtype": settings.dtype, "tiny": settings.tiny, "seed": settings.seed,
-        })
+        built, stopped = stages.run(
+            "build",
+            {
+                "kind": "build",
+                "models": settings.models,
+                "root": tmp,
+                "device": settings.device,
+                "dtype": settings.dtype,
+                "tiny": settings.tiny,
+                "seed": settings.seed,
+            },
+        )
         report["environment"] = part(built, "environment", stopped)
         for name in settings.models:
             model = part(built, name, stopped)
             report["models"][name] = {"model": model}
             if model["status"] != "ok":
                 failed = {"status": model["status"]}
-                report["models"][name].update(pagedserve=failed, transformers_static=failed,
-                                              transformers_generate_batch=failed)
+                report["models"][name].update(
+                    pagedserve=failed,
+                    transformers_static=failed,
+                    transformers_generate_batch=failed,
+                )
                 continue
             result = run_model(stages, settings, name, model, lengths)
             if "decode" in result:

@@ -35,30 +35,61 @@ SPECS: dict[str, ModelSpec] = {
     "llama3.2-1b": ModelSpec("Llama-3.2-1B shape", "llama", hf_batch_size=128),
 }
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def hf_config(name: str, vocab_size: int, tiny: bool):
     from transformers import LlamaConfig, Qwen3Config
 
     if name == "qwen3-0.6b":
-        sizes = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128)
+        sizes = dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
         if tiny:
             sizes = {**TINY, "head_dim": 32}
         return Qwen3Config(
-            **sizes, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=40960,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6,
+            **sizes,
+            vocab_size=vocab_size,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            rms_norm_eps=1e-6,
         )
     if name == "llama3.2-1b":
-        sizes = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64)
+        sizes = dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+        )
         if tiny:
             sizes = {**TINY, "head_dim": 16}
         return LlamaConfig(
-            **sizes, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=131072,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            **sizes,
+            vocab_size=vocab_size,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
             rms_norm_eps=1e-5,
         )
     raise ValueError(f"unknown model {name!r}; known: {', '.join(SPECS)}")
@@ -73,7 +104,9 @@ def build(name: str, folder: Path, device: str, dtype: torch.dtype, tiny: bool, 
     cfg = hf_config(name, len(tok), tiny)
     cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
-    with torch.device(device):  # initialized where it runs: a billion random numbers take seconds on a CPU
+    with torch.device(
+        device
+    ):  # initialized where it runs: a billion random numbers take seconds on a CPU
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     parameters = model.num_parameters()  # the tied embedding counted once, as it is stored and read
     model.save_pretrained(folder)
@@ -83,7 +116,9 @@ def build(name: str, folder: Path, device: str, dtype: torch.dtype, tiny: bool, 
         "folder": str(folder),
         "parameters": parameters,
         "weight_bytes": parameters * dtype.itemsize,
-        "kv_bytes_per_token": kv_bytes_per_block(cfg, 1, dtype),  # K and V of every layer for one token
+        "kv_bytes_per_token": kv_bytes_per_block(
+            cfg, 1, dtype
+        ),  # K and V of every layer for one token
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": len(tok),

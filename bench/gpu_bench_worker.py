@@ -58,7 +58,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def throughput(prompts: list[list[int]], requested: list[int], produced: list[int], seconds: float) -> Record:
+def throughput(
+    prompts: list[list[int]], requested: list[int], produced: list[int], seconds: float
+) -> Record:
     """`produced` counts, per request, only tokens it asked for (at most `requested`); output tok/s
     is their sum over the wall time, total tok/s adds the prompt tokens."""
     prompt_tokens = sum(map(len, prompts))
@@ -86,14 +88,22 @@ def installed(distribution: str) -> str | None:
 def run_build(task: Record, progress: Progress) -> None:
     dtype = getattr(torch, task["dtype"])
     device = task["device"]
-    progress.attempt("environment", lambda: {
-        "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": installed("triton"),
-        "transformers": installed("transformers"), "python": sys.version.split()[0],
-    })
+    progress.attempt(
+        "environment",
+        lambda: {
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": installed("triton"),
+            "transformers": installed("transformers"),
+            "python": sys.version.split()[0],
+        },
+    )
     for name in task["models"]:
         folder = Path(task["root"]) / name
-        progress.attempt(name, lambda: build(name, folder, device, dtype, task["tiny"], task["seed"]))
+        progress.attempt(
+            name, lambda: build(name, folder, device, dtype, task["tiny"], task["seed"])
+        )
 
 
 # --------------------------------------------------------------------------- pagedserve
@@ -113,7 +123,12 @@ def copy_bandwidth(device: str, nbytes: int, copies: int = 20) -> Record:
     del src, dst
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # before the engine measures what memory is free
-    return {"bytes_per_copy": nbytes, "copies": copies, "seconds": seconds, "bytes_per_s": 2 * nbytes * copies / seconds}
+    return {
+        "bytes_per_copy": nbytes,
+        "copies": copies,
+        "seconds": seconds,
+        "bytes_per_s": 2 * nbytes * copies / seconds,
+    }
 
 
 def engine_facts(llm) -> Record:
@@ -164,7 +179,9 @@ def decode_step(llm, prompts: list[list[int]], plan: Record, device: str) -> Rec
         for _ in range(steps):
             outputs = engine.step()
             if len(outputs) != batch or any(o.finished for o in outputs):
-                raise RuntimeError(f"the batch changed while timed: {len(outputs)} outputs, expected {batch} running")
+                raise RuntimeError(
+                    f"the batch changed while timed: {len(outputs)} outputs, expected {batch} running"
+                )
         synchronize(device)
         seconds = time.perf_counter() - start
     finally:  # the next batch size starts from an empty engine, whatever happened here
@@ -187,10 +204,17 @@ def run_pagedserve(task: Record, progress: Progress) -> None:
     llm = LLM(model=task["model_dir"], **task["engine_args"])
     load_s = time.perf_counter() - start
     warm = [p[: task["warmup_prompt_len"]] for p in prompts[:4]]
-    pagedserve_generate(llm, warm, [task["warmup_output_len"]] * len(warm), device)  # kernels compiled, graphs used
-    progress.attempt("throughput", lambda: {
-        **pagedserve_generate(llm, prompts, requested, device), "load_s": load_s, "engine": engine_facts(llm),
-    })
+    pagedserve_generate(
+        llm, warm, [task["warmup_output_len"]] * len(warm), device
+    )  # kernels compiled, graphs used
+    progress.attempt(
+        "throughput",
+        lambda: {
+            **pagedserve_generate(llm, prompts, requested, device),
+            "load_s": load_s,
+            "engine": engine_facts(llm),
+        },
+    )
     for plan in decode["plans"] if decode else []:
         progress.attempt(f"decode_{plan['batch']}", lambda: decode_step(llm, prompts, plan, device))
 
@@ -206,8 +230,9 @@ def padded(batch: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tens
     return ids, mask
 
 
-def hf_static(model, prompts: list[list[int]], requested: list[int], batch_size: int, pad_id: int,
-              device: str) -> Record:
+def hf_static(
+    model, prompts: list[list[int]], requested: list[int], batch_size: int, pad_id: int, device: str
+) -> Record:
     """Static batches in workload order: each runs until its longest request has its tokens."""
     counted: list[int] = []
     synchronize(device)
@@ -216,16 +241,27 @@ def hf_static(model, prompts: list[list[int]], requested: list[int], batch_size:
         batch, want = prompts[i : i + batch_size], requested[i : i + batch_size]
         ids, mask = padded(batch, pad_id, device)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(want),
-                                 min_new_tokens=max(want), eos_token_id=None, pad_token_id=pad_id)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(want),
+                min_new_tokens=max(want),
+                eos_token_id=None,
+                pad_token_id=pad_id,
+            )
         made = out.shape[1] - ids.shape[1]  # every row runs the same number of steps
         counted += [min(n, made) for n in want]
     synchronize(device)
-    return {**throughput(prompts, requested, counted, time.perf_counter() - start), "batch_size": batch_size}
+    return {
+        **throughput(prompts, requested, counted, time.perf_counter() - start),
+        "batch_size": batch_size,
+    }
 
 
-def hf_generate_batch(model, prompts: list[list[int]], requested: list[int], pad_id: int, device: str,
-                      tiny: bool) -> Record:
+def hf_generate_batch(
+    model, prompts: list[list[int]], requested: list[int], pad_id: int, device: str, tiny: bool
+) -> Record:
     """transformers' continuous batching. It takes one max_new_tokens for all requests: each runs to
     the longest output, and only the tokens it asked for count."""
     import inspect
@@ -235,7 +271,9 @@ def hf_generate_batch(model, prompts: list[list[int]], requested: list[int], pad
     if not hasattr(model, "generate_batch"):
         raise RuntimeError("this transformers has no generate_batch")
     accepted = inspect.signature(model.generate_batch).parameters
-    config = GenerationConfig(max_new_tokens=max(requested), do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    config = GenerationConfig(
+        max_new_tokens=max(requested), do_sample=False, eos_token_id=None, pad_token_id=pad_id
+    )
     kwargs: Record = {"generation_config": config}
     if "progress_bar" in accepted:
         kwargs["progress_bar"] = False
@@ -243,7 +281,9 @@ def hf_generate_batch(model, prompts: list[list[int]], requested: list[int], pad
         from transformers import ContinuousBatchingConfig
 
         # By default its cache is sized from the machine's memory: seconds of allocation on a CPU.
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256)
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=64, max_batch_tokens=256
+        )
     synchronize(device)
     start = time.perf_counter()
     outputs = list(model.generate_batch(prompts, **kwargs).values())
@@ -251,16 +291,26 @@ def hf_generate_batch(model, prompts: list[list[int]], requested: list[int], pad
     call_s = time.perf_counter() - start
     errors = [o.error for o in outputs if getattr(o, "error", None)]
     if len(outputs) != len(prompts) or errors:
-        raise RuntimeError(f"{len(outputs)} of {len(prompts)} results, {len(errors)} with errors: {errors[:1]}")
+        raise RuntimeError(
+            f"{len(outputs)} of {len(prompts)} results, {len(errors)} with errors: {errors[:1]}"
+        )
     shortest = min(len(o.generated_tokens) for o in outputs)
     # The span from the first request scheduled to the last finished leaves out the manager's start
     # (cache allocation, CUDA-graph capture), as pagedserve's load is left out of its time.
     spans = [getattr(o, "lifespan", (-1, -1)) for o in outputs]
-    timed_from = "request lifespans" if all(s[0] > 0 and s[1] > 0 for s in spans) else "the whole call"
-    seconds = max(s[1] for s in spans) - min(s[0] for s in spans) if timed_from == "request lifespans" else call_s
+    timed_from = (
+        "request lifespans" if all(s[0] > 0 and s[1] > 0 for s in spans) else "the whole call"
+    )
+    seconds = (
+        max(s[1] for s in spans) - min(s[0] for s in spans)
+        if timed_from == "request lifespans"
+        else call_s
+    )
     return {
         **throughput(prompts, requested, [min(n, shortest) for n in requested], seconds),
-        "call_s": call_s, "timed_from": timed_from, "max_new_tokens": max(requested),
+        "call_s": call_s,
+        "timed_from": timed_from,
+        "max_new_tokens": max(requested),
     }
 
 
@@ -269,34 +319,49 @@ def run_transformers(task: Record, progress: Progress) -> None:
 
     device, prompts, requested = task["device"], task["prompts"], task["output_lens"]
     dtype = getattr(torch, task["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(task["model_dir"], dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        task["model_dir"], dtype=dtype, attn_implementation="sdpa"
+    )
     model = model.to(device).eval()
     pad_id = AutoTokenizer.from_pretrained(task["model_dir"]).pad_token_id or 0
     warm = [p[: task["warmup_prompt_len"]] for p in prompts[:2]]
     hf_static(model, warm, [task["warmup_output_len"]] * len(warm), len(warm), pad_id, device)
-    progress.attempt("static", lambda: hf_static(model, prompts, requested, task["batch_size"], pad_id, device))
+    progress.attempt(
+        "static", lambda: hf_static(model, prompts, requested, task["batch_size"], pad_id, device)
+    )
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # generate_batch sizes its cache from the memory it finds free
-    progress.attempt("generate_batch", lambda: hf_generate_batch(model, prompts, requested, pad_id, device, task["tiny"]))
+    progress.attempt(
+        "generate_batch",
+        lambda: hf_generate_batch(model, prompts, requested, pad_id, device, task["tiny"]),
+    )
 
 
 # --------------------------------------------------------------------------- entry
 
 
 TASKS: dict[str, Callable[[Record, Progress], None]] = {
-    "build": run_build, "pagedserve": run_pagedserve, "transformers": run_transformers,
+    "build": run_build,
+    "pagedserve": run_pagedserve,
+    "transformers": run_transformers,
 }
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the engine's KV sizing
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )  # the engine's KV sizing
     task = json.loads(Path(argv[1]).read_text())
-    if task["tiny"]:  # tiny matrices gain nothing from threads, and on a busy CPU their barriers cost seconds
+    if task[
+        "tiny"
+    ]:  # tiny matrices gain nothing from threads, and on a busy CPU their barriers cost seconds
         torch.set_num_threads(1)
     progress = Progress(Path(argv[2]))
     try:
         TASKS[task["kind"]](task, progress)
-    except Exception as exc:  # outside any part (loading a model): the parts not reached fail with it
+    except (
+        Exception
+    ) as exc:  # outside any part (loading a model): the parts not reached fail with it
         traceback.print_exc()
         progress.parts["error"] = describe(exc)
         progress.save()

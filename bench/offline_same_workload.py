@@ -30,7 +30,9 @@ from config.sources import add_flags
 from engine import LLM, SamplingParams
 
 # The engine's settings, flags named as `pagedserve serve` names them; --seed is the workload's.
-ENGINE_SETTINGS = {name for section in ENGINE_SECTIONS.values() for name in section.model_fields} - {"seed"}
+ENGINE_SETTINGS = {
+    name for section in ENGINE_SECTIONS.values() for name in section.model_fields
+} - {"seed"}
 
 
 def run_offline(llm: LLM, workload: list[WorkItem], warmup: list[WorkItem] | None = None) -> dict:
@@ -39,11 +41,19 @@ def run_offline(llm: LLM, workload: list[WorkItem], warmup: list[WorkItem] | Non
     `warmup` runs first, unmeasured (first-call allocation and kernel selection are not
     throughput; the serving load warms up the same way, with the same prompts).
     """
-    params = [SamplingParams(temperature=0, max_tokens=item.output_len, ignore_eos=True) for item in workload]
+    params = [
+        SamplingParams(temperature=0, max_tokens=item.output_len, ignore_eos=True)
+        for item in workload
+    ]
     prompts = [item.prompt_ids for item in workload]
     if warmup:
-        llm.generate([w.prompt_ids for w in warmup],
-                     [SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True) for w in warmup])
+        llm.generate(
+            [w.prompt_ids for w in warmup],
+            [
+                SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
+                for w in warmup
+            ],
+        )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -53,15 +63,26 @@ def run_offline(llm: LLM, workload: list[WorkItem], warmup: list[WorkItem] | Non
         "completed": len(outputs),
         "input_tokens": sum(len(p) for p in prompts),
         "output_tokens": produced,
-        "length_mismatches": sum(1 for o, item in zip(outputs, workload) if len(o.outputs[0].token_ids) != item.output_len),
+        "length_mismatches": sum(
+            1
+            for o, item in zip(outputs, workload)
+            if len(o.outputs[0].token_ids) != item.output_len
+        ),
         "request_throughput": len(outputs) / seconds,
         "output_throughput": produced / seconds,
     }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model folder (default: the bundled SmolLM2-135M-Instruct)",
+    )
     add_workload_args(parser)
     # Only the settings given reach the engine: the rest keep its defaults.
     add_flags(parser, ENGINE_SECTIONS, skip=("model", "seed"))
@@ -69,18 +90,37 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the report as JSON")
     args = parser.parse_args()
 
-    workload = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio,
-                             args.vocab_size, args.seed)
+    workload = make_workload(
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.vocab_size,
+        args.seed,
+    )
     settings = {name: value for name, value in vars(args).items() if name in ENGINE_SETTINGS}
     llm = LLM(**settings)  # the positional MODEL is the `model` setting
-    report = run_offline(llm, workload, warmup_workload(1, args.input_len, args.vocab_size, args.seed))
-    report["config"] = {"model": str(llm.engine.model_path), "num_requests": args.num_requests,
-                        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-                        "vocab_size": args.vocab_size, "seed": args.seed, "engine": settings}
-    print(f"== offline LLM.generate | {llm.engine.model_path.name} | {report['completed']} requests | "
-          f"in {args.input_len} out {args.output_len} (range {args.range_ratio:g}) | {settings}")
-    print(f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s | "
-          f"{report['output_throughput']:.1f} output tok/s | length mismatches {report['length_mismatches']}")
+    report = run_offline(
+        llm, workload, warmup_workload(1, args.input_len, args.vocab_size, args.seed)
+    )
+    report["config"] = {
+        "model": str(llm.engine.model_path),
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "vocab_size": args.vocab_size,
+        "seed": args.seed,
+        "engine": settings,
+    }
+    print(
+        f"== offline LLM.generate | {llm.engine.model_path.name} | {report['completed']} requests | "
+        f"in {args.input_len} out {args.output_len} (range {args.range_ratio:g}) | {settings}"
+    )
+    print(
+        f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s | "
+        f"{report['output_throughput']:.1f} output tok/s | length mismatches {report['length_mismatches']}"
+    )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -85,7 +85,9 @@ def make_workload(
     items = []
     for _ in range(num_requests):
         n_in, n_out = length(input_len), length(output_len)
-        items.append(WorkItem([rng.randint(LOW_TOKEN_ID, vocab_size - 1) for _ in range(n_in)], n_out))
+        items.append(
+            WorkItem([rng.randint(LOW_TOKEN_ID, vocab_size - 1) for _ in range(n_in)], n_out)
+        )
     return items
 
 
@@ -117,10 +119,19 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(values: list[float]) -> dict[str, float]:
     """mean / p50 / p90 / p99 in milliseconds."""
     if not values:
-        return {"mean_ms": float("nan"), "p50_ms": float("nan"), "p90_ms": float("nan"), "p99_ms": float("nan")}
+        return {
+            "mean_ms": float("nan"),
+            "p50_ms": float("nan"),
+            "p90_ms": float("nan"),
+            "p99_ms": float("nan"),
+        }
     ms = [v * 1000.0 for v in values]
-    return {"mean_ms": sum(ms) / len(ms), "p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90),
-            "p99_ms": percentile(ms, 99)}
+    return {
+        "mean_ms": sum(ms) / len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+    }
 
 
 async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
@@ -133,9 +144,16 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def send_one(
-    client: httpx.AsyncClient, url: str, model: str, index: int, item: WorkItem, request_timeout: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    index: int,
+    item: WorkItem,
+    request_timeout: float,
 ) -> RequestResult:
-    result = RequestResult(index=index, input_len=len(item.prompt_ids), requested_output_len=item.output_len)
+    result = RequestResult(
+        index=index, input_len=len(item.prompt_ids), requested_output_len=item.output_len
+    )
     body = {
         "model": model,
         "prompt": item.prompt_ids,
@@ -157,7 +175,9 @@ async def send_one(
     return result
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float) -> None:
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float
+) -> None:
     """Read one SSE stream into `result`; `ok` is set only when it ended with `data: [DONE]`."""
     chunks = 0
     usage_tokens: int | None = None
@@ -170,7 +190,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, result: Reque
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators and SSE comments
-            payload = line[len("data:"):].strip()
+            payload = line[len("data:") :].strip()
             if payload == "[DONE]":
                 break
             event = json.loads(payload)
@@ -224,7 +244,9 @@ async def run_load(
     in_flight = concurrency or num_requests
     limits = httpx.Limits(max_connections=in_flight + 2, max_keepalive_connections=in_flight + 2)
     url = f"{base_url}/v1/completions"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits
+    ) as client:
         model = model or await first_model_id(client, base_url)
         # Warm-up requests are not measured: first-call allocation and kernel selection are not load.
         for probe in warmup_workload(warmup, input_len, vocab_size, seed):
@@ -271,15 +293,31 @@ async def run_load(
         else:
             error = f"{type(task.exception()).__name__}: {task.exception()}"
         results.append(RequestResult(index, len(item.prompt_ids), item.output_len, error=error))
-    return build_report(results, duration, {
-        "base_url": base_url, "model": model, "num_requests": num_requests, "concurrency": concurrency,
-        "request_rate": request_rate, "input_len": input_len, "output_len": output_len,
-        "range_ratio": range_ratio, "vocab_size": vocab_size, "seed": seed, "timeout": timeout,
-        "request_timeout": request_timeout, "warmup": warmup,
-    }, keep_requests)
+    return build_report(
+        results,
+        duration,
+        {
+            "base_url": base_url,
+            "model": model,
+            "num_requests": num_requests,
+            "concurrency": concurrency,
+            "request_rate": request_rate,
+            "input_len": input_len,
+            "output_len": output_len,
+            "range_ratio": range_ratio,
+            "vocab_size": vocab_size,
+            "seed": seed,
+            "timeout": timeout,
+            "request_timeout": request_timeout,
+            "warmup": warmup,
+        },
+        keep_requests,
+    )
 
 
-def build_report(results: list[RequestResult], duration: float, config: dict, keep_requests: bool) -> dict:
+def build_report(
+    results: list[RequestResult], duration: float, config: dict, keep_requests: bool
+) -> dict:
     good = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in good)
     errors: dict[str, int] = {}
@@ -304,7 +342,9 @@ def build_report(results: list[RequestResult], duration: float, config: dict, ke
         "e2e": summarize([r.e2e for r in good if r.e2e is not None]),
     }
     if keep_requests:
-        report["requests"] = [{k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot} for r in results]
+        report["requests"] = [
+            {k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot} for r in results
+        ]
     return report
 
 
@@ -314,16 +354,22 @@ def format_report(report: dict, title: str = "") -> str:
     if not math.isinf(c["request_rate"]):
         mode += f", Poisson {c['request_rate']:g} req/s"
     lines = [
-        (f"== {title or c['base_url']} | {c['model']} | {report['completed']}/{c['num_requests']} ok | {mode} "
-         f"| in {c['input_len']} out {c['output_len']} (range {c['range_ratio']:g})"),
-        (f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s "
-         f"| {report['output_throughput']:.1f} output tok/s | failed {report['failed']} "
-         f"| length mismatches {report['length_mismatches']}"),
+        (
+            f"== {title or c['base_url']} | {c['model']} | {report['completed']}/{c['num_requests']} ok | {mode} "
+            f"| in {c['input_len']} out {c['output_len']} (range {c['range_ratio']:g})"
+        ),
+        (
+            f"duration {report['duration_s']:.2f} s | {report['request_throughput']:.2f} req/s "
+            f"| {report['output_throughput']:.1f} output tok/s | failed {report['failed']} "
+            f"| length mismatches {report['length_mismatches']}"
+        ),
         f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for name in ("ttft", "itl", "tpot", "e2e"):
         s = report[name]
-        lines.append(f"{name.upper():<12}{s['mean_ms']:>10.1f}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}{s['p99_ms']:>10.1f}")
+        lines.append(
+            f"{name.upper():<12}{s['mean_ms']:>10.1f}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}{s['p99_ms']:>10.1f}"
+        )
     for error, count in report["errors"].items():
         lines.append(f"  {count} x {error}")
     return "\n".join(lines)
@@ -333,35 +379,77 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags, shared with the scripts that reuse this workload."""
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (max_tokens)")
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- r)")
-    parser.add_argument("--vocab-size", type=int, default=49152, help=f"prompt ids are drawn from [{LOW_TOKEN_ID}, this)")
+    parser.add_argument(
+        "--output-len", type=int, default=64, help="output tokens per request (max_tokens)"
+    )
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- r)"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=49152,
+        help=f"prompt ids are drawn from [{LOW_TOKEN_ID}, this)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
 def add_load_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="bound on the whole run, seconds")
-    parser.add_argument("--request-timeout", type=float, default=None, help="bound on one request (default: --timeout)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured short requests sent first")
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="most requests in flight (closed loop)"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="bound on the whole run, seconds"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="bound on one request (default: --timeout)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured short requests sent first"
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the first of GET /v1/models)"
+    )
     add_workload_args(parser)
     add_load_args(parser)
-    parser.add_argument("--out", default=None, help="write the full report (with per-request rows) as JSON")
+    parser.add_argument(
+        "--out", default=None, help="write the full report (with per-request rows) as JSON"
+    )
     args = parser.parse_args()
 
-    report = asyncio.run(run_load(
-        base_url=args.base_url, model=args.model, num_requests=args.num_requests, concurrency=args.concurrency,
-        request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, vocab_size=args.vocab_size, seed=args.seed, timeout=args.timeout,
-        request_timeout=args.request_timeout, warmup=args.warmup,
-    ))
+    report = asyncio.run(
+        run_load(
+            base_url=args.base_url,
+            model=args.model,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            request_rate=args.request_rate,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            timeout=args.timeout,
+            request_timeout=args.request_timeout,
+            warmup=args.warmup,
+        )
+    )
     print(format_report(report))
     if args.out:
         with open(args.out, "w") as fh:

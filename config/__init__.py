@@ -10,4 +10,13 @@ from config.engine_config import (
 )
 from config.server_config import ServeConfig, ServerConfig
 
-__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServeConfig", "ServerConfig"]
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "ServeConfig",
+    "ServerConfig",
+]

@@ -35,43 +35,64 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    model: str | None = Field(None, description="local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+    model: str | None = Field(
+        None,
+        description="local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)",
+    )
     tokenizer: str | None = Field(None, description="tokenizer folder, when it is not the model's")
     dtype: DType = Field(
-        "auto", description="weight and activation dtype (auto: the model's on a GPU; on a CPU bfloat16 where it "
-        "multiplies bfloat16 natively, AVX512-BF16 or AMX, else float32)")
-    device: str = Field("auto", description="torch device the model runs on (auto: cuda when torch sees a GPU, else cpu)")
+        "auto",
+        description="weight and activation dtype (auto: the model's on a GPU; on a CPU bfloat16 where it "
+        "multiplies bfloat16 natively, AVX512-BF16 or AMX, else float32)",
+    )
+    device: str = Field(
+        "auto",
+        description="torch device the model runs on (auto: cuda when torch sees a GPU, else cpu)",
+    )
     seed: int = Field(0, ge=0, description="seed of the sampler's generator for unseeded requests")
     model_cache_dir: Path = Field(
         default_factory=default_cache_dir,
         description="where converted models are kept (default: $PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve)",
     )
     attention_backend: AttentionBackendName = Field(
-        "auto", description="attention kernel (auto: on a GPU flash-attn 4, flash-attn 2, triton; on the CPU the C++ paged kernel, cpu; else torch)"
+        "auto",
+        description="attention kernel (auto: on a GPU flash-attn 4, flash-attn 2, triton; on the CPU the C++ paged kernel, cpu; else torch)",
     )
     enforce_eager: bool = Field(
-        False, description="run decode steps eagerly instead of replaying CUDA graphs, and keep CPU weights unpacked")
+        False,
+        description="run decode steps eagerly instead of replaying CUDA graphs, and keep CPU weights unpacked",
+    )
 
 
 class CacheConfig(_Strict):
     block_size: int | None = Field(
-        None, ge=1, le=1024,
+        None,
+        ge=1,
+        le=1024,
         description="tokens per KV block, a power of two (default: the attention backend's: 256 for flash-attn, "
         "128 for flash-attn-4, else 16)",
     )
     # The pool is sized by the first of these that is set: a block count, a memory budget, or
     # (on a GPU) the share of GPU memory left after the weights and a profiled step.
-    num_kv_blocks: int | None = Field(None, ge=1, le=10_000_000, description="KV pool size in blocks")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, le=10_000_000, description="KV pool size in blocks"
+    )
     kv_cache_memory_gib: float | None = Field(
-        None, gt=0, le=4096,
+        None,
+        gt=0,
+        le=4096,
         description="KV pool budget in GiB when --num-kv-blocks is unset (default: 1 on CPU; on GPU, sized from "
         "--gpu-memory-utilization)",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1,
+        0.9,
+        gt=0,
+        le=1,
         description="share of the GPU's memory this engine may use: weights, activations of the largest step, KV pool",
     )
-    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of shared prompt prefixes"
+    )
 
     @model_validator(mode="after")
     def _power_of_two(self) -> "CacheConfig":
@@ -84,16 +105,25 @@ class CacheConfig(_Strict):
 
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, le=4096, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(2048, ge=1, le=1_048_576, description="token budget of one step")
-    max_model_len: int | None = Field(None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, le=1_048_576, description="token budget of one step"
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)"
+    )
 
 
 class ParallelConfig(_Strict):
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="ranks (processes; one GPU each on GPU) that split every layer's heads and columns"
+        1,
+        ge=1,
+        le=64,
+        description="ranks (processes; one GPU each on GPU) that split every layer's heads and columns",
     )
     distributed_timeout: float = Field(
-        300.0, gt=0, description="seconds one collective may wait for the other ranks before the engine gives up"
+        300.0,
+        gt=0,
+        description="seconds one collective may wait for the other ranks before the engine gives up",
     )
 
 
@@ -129,11 +159,16 @@ class EngineConfig(_Strict):
 
 
 ENGINE_SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 
 
-def build_sections(sections: dict[str, type[BaseModel]], kwargs: dict[str, object]) -> dict[str, BaseModel]:
+def build_sections(
+    sections: dict[str, type[BaseModel]], kwargs: dict[str, object]
+) -> dict[str, BaseModel]:
     """Route flat flag-named settings to the section that owns each, and validate every section."""
     owners = {name: key for key, model in sections.items() for name in model.model_fields}
     routed: dict[str, dict[str, object]] = {key: {} for key in sections}

@@ -18,7 +18,9 @@ class ServerConfig(_Strict):
         None, repr=False, description="require 'Authorization: Bearer KEY' on /v1/*"
     )
     served_model_name: list[str] | None = Field(
-        None, min_length=1, description="model names clients may ask for; the first is reported (default: MODEL)"
+        None,
+        min_length=1,
+        description="model names clients may ask for; the first is reported (default: MODEL)",
     )
     allowed_origins: list[str] = Field(["*"], description="CORS allowed origins")
     allowed_methods: list[str] = Field(["*"], description="CORS allowed methods")
@@ -26,20 +28,32 @@ class ServerConfig(_Strict):
     allow_credentials: bool = Field(False, description="CORS: allow credentials")
     uvicorn_log_level: LogLevel = Field("info", description="log level of the HTTP server")
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM before they are aborted"
+        30.0,
+        ge=0,
+        description="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
     max_waiting_requests: int | None = Field(
-        None, ge=0, description="refuse new requests (503 + Retry-After) while this many admitted ones have no token "
-        "yet (default: no limit)"
+        None,
+        ge=0,
+        description="refuse new requests (503 + Retry-After) while this many admitted ones have no token "
+        "yet (default: no limit)",
     )
     max_queue_time: float | None = Field(
-        None, gt=0, description="seconds a request may wait for its first token before it is dropped with 503 "
-        "(default: no limit)"
+        None,
+        gt=0,
+        description="seconds a request may wait for its first token before it is dropped with 503 "
+        "(default: no limit)",
     )
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt accepted, in tokens (default: the context)")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longest prompt accepted, in tokens (default: the context)"
+    )
     max_output_tokens: int | None = Field(
-        None, ge=1, description="most tokens one completion may ask for (default: what the context leaves)"
+        None,
+        ge=1,
+        description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
 

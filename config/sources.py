@@ -42,7 +42,11 @@ def _is_list(annotation: object) -> bool:
     return get_origin(_base_type(annotation)) is list
 
 
-def add_flags(parser: argparse.ArgumentParser, sections: Mapping[str, type[BaseModel]], skip: tuple[str, ...] = ()) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    sections: Mapping[str, type[BaseModel]],
+    skip: tuple[str, ...] = (),
+) -> None:
     """One flag per field, typed and documented from the field. Flags default to 'absent'
     (SUPPRESS) so that only what the user typed overrides the environment and the file."""
     for name, info in _fields(sections).items():
@@ -51,10 +55,20 @@ def add_flags(parser: argparse.ArgumentParser, sections: Mapping[str, type[BaseM
         base = _base_type(info.annotation)
         kwargs: dict[str, object] = {"default": argparse.SUPPRESS, "dest": name}
         default = info.default
-        shown = "none" if default is None else ",".join(default) if isinstance(default, list) else default
+        shown = (
+            "none"
+            if default is None
+            else ",".join(default)
+            if isinstance(default, list)
+            else default
+        )
         # A computed default is described in the field's own text; a secret's is not shown.
         quiet = info.default_factory is not None or info.repr is False or default is None
-        kwargs["help"] = f"{info.description} [env {ENV_PREFIX}{name.upper()}" + ("" if quiet else f"; default: {shown}") + "]"
+        kwargs["help"] = (
+            f"{info.description} [env {ENV_PREFIX}{name.upper()}"
+            + ("" if quiet else f"; default: {shown}")
+            + "]"
+        )
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(base) is Literal:
@@ -75,7 +89,11 @@ def from_env(env: Mapping[str, str], sections: Mapping[str, type[BaseModel]]) ->
         if raw is None:
             continue
         if _is_list(info.annotation):
-            settings[name] = json.loads(raw) if raw.lstrip().startswith("[") else [p.strip() for p in raw.split(",") if p.strip()]
+            settings[name] = (
+                json.loads(raw)
+                if raw.lstrip().startswith("[")
+                else [p.strip() for p in raw.split(",") if p.strip()]
+            )
         else:
             settings[name] = raw  # pydantic turns "64" into 64 and "false" into False
     return settings
@@ -90,19 +108,27 @@ def from_file(path: Path, sections: Mapping[str, type[BaseModel]]) -> dict[str, 
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+        raise ConfigError(
+            f"--config {path}: expected a mapping of settings, got {type(data).__name__}"
+        )
     known = _fields(sections)
     settings: dict[str, object] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            raise ConfigError(f"--config {path}: unknown setting {key!r}; known settings: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"--config {path}: unknown setting {key!r}; known settings: {', '.join(sorted(known))}"
+            )
         settings[name] = value
     return settings
 
 
-def merge(cli: Mapping[str, object], env: Mapping[str, str], config_file: Path | None,
-          sections: Mapping[str, type[BaseModel]]) -> dict[str, object]:
+def merge(
+    cli: Mapping[str, object],
+    env: Mapping[str, str],
+    config_file: Path | None,
+    sections: Mapping[str, type[BaseModel]],
+) -> dict[str, object]:
     """Flat settings: the file's, overridden by the environment's, overridden by the flags'."""
     settings = from_file(config_file, sections) if config_file else {}
     settings.update(from_env(env, sections))
@@ -110,7 +136,9 @@ def merge(cli: Mapping[str, object], env: Mapping[str, str], config_file: Path |
     return settings
 
 
-def serve_config(cli: Mapping[str, object], env: Mapping[str, str], config_file: Path | None = None) -> ServeConfig:
+def serve_config(
+    cli: Mapping[str, object], env: Mapping[str, str], config_file: Path | None = None
+) -> ServeConfig:
     built = build_sections(SERVE_SECTIONS, merge(cli, env, config_file, SERVE_SECTIONS))
     server = built.pop("server")
     assert isinstance(server, ServerConfig)

@@ -81,7 +81,9 @@ class AsyncEngine:
         # Called on the engine thread after every iteration, idle ones included (metrics).
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.thread = thread
-        self._go = threading.Event()  # the thread waits on it before its loop: set by start() or shutdown()
+        self._go = (
+            threading.Event()
+        )  # the thread waits on it before its loop: set by start() or shutdown()
         # A tensor-parallel worker's death wakes an idle thread, whose check_health() fails.
         engine.executor.on_failure = lambda: self._inbox.put(_WAKE)
 
@@ -223,7 +225,9 @@ class AsyncEngine:
 
     def _add(self, item: _Add) -> None:
         try:
-            self.engine.add_request(item.prompt, item.params, item.request_id, prompt_token_ids=item.prompt_token_ids)
+            self.engine.add_request(
+                item.prompt, item.params, item.request_id, prompt_token_ids=item.prompt_token_ids
+            )
         except InvalidRequestError as exc:
             item.sink.send(exc)
             return

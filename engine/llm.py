@@ -38,19 +38,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. All prompts are validated before any runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
         for ids, p in zip(token_ids, params):
             self.engine.validate(ids, p)
         ids = [
-            self.engine.add_request(prompt, p, prompt_token_ids=t) for prompt, p, t in zip(prompts, params, token_ids)
+            self.engine.add_request(prompt, p, prompt_token_ids=t)
+            for prompt, p, t in zip(prompts, params, token_ids)
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

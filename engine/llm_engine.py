@@ -42,7 +42,9 @@ def context_limit(hf_config) -> int:
     window, where full and windowed attention agree."""
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))
     window = getattr(hf_config, "sliding_window", None)
-    windowed = hf_config.model_type == "mistral" or bool(getattr(hf_config, "use_sliding_window", False))
+    windowed = hf_config.model_type == "mistral" or bool(
+        getattr(hf_config, "use_sliding_window", False)
+    )
     if windowed and window:
         limit = min(limit, int(window))
     return limit
@@ -62,13 +64,25 @@ class LLMEngine:
         log.info("device %s, dtype %s (%s)", device, str(dtype).removeprefix("torch."), dtype_why)
         platform = Platform.detect(device, dtype, head_dim_of(self.hf_config))
         choice = choose(config.model.attention_backend, platform, config.cache.block_size)
-        log.info("attention backend: %s, KV blocks of %d tokens (%s)", choice.name, choice.block_size, choice.why)
+        log.info(
+            "attention backend: %s, KV blocks of %d tokens (%s)",
+            choice.name,
+            choice.block_size,
+            choice.why,
+        )
         # From here on these choices are part of the config: the runners, here and in workers, read them.
-        config = config.model_copy(update={
-            "model": config.model.model_copy(update={
-                "device": device, "dtype": str(dtype).removeprefix("torch."), "attention_backend": choice.name}),
-            "cache": config.cache.model_copy(update={"block_size": choice.block_size}),
-        })
+        config = config.model_copy(
+            update={
+                "model": config.model.model_copy(
+                    update={
+                        "device": device,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "attention_backend": choice.name,
+                    }
+                ),
+                "cache": config.cache.model_copy(update={"block_size": choice.block_size}),
+            }
+        )
         self.config = config
         self.block_size = choice.block_size
         self.max_model_len = config.resolve_max_model_len(context_limit(self.hf_config))
@@ -82,7 +96,9 @@ class LLMEngine:
         try:
             if num_blocks is None:
                 probe = CudaMemoryProbe(torch.device(device))
-                num_blocks = profiled_pool_blocks(config, per_block, self.max_model_len, self.executor.execute, probe)
+                num_blocks = profiled_pool_blocks(
+                    config, per_block, self.max_model_len, self.executor.execute, probe
+                )
                 config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
             self.executor.allocate_kv(num_blocks)
         except BaseException:
@@ -116,20 +132,32 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate", "prompt",
+                "which leaves no room to generate",
+                "prompt",
             )
         params.validate()
         if params.n > self.config.scheduler.max_num_seqs:
             raise InvalidRequestError(
                 f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}", "n"
             )
-        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        for name, value in (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs),
+        ):
             if value is not None and value > MAX_LOGPROBS:
-                raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}", name)
-        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+                raise InvalidRequestError(
+                    f"{name} must be at most {MAX_LOGPROBS}, got {value}", name
+                )
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", name)
+                raise InvalidRequestError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                    name,
+                )
 
     def add_request(
         self,
@@ -171,7 +199,12 @@ class LLMEngine:
             prompt if isinstance(prompt, str) else None,
             prompt_ids,
             sequences,
-            [SequenceText(IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)) for _ in sequences],
+            [
+                SequenceText(
+                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                )
+                for _ in sequences
+            ],
             arrival_time=arrival,
         )
         self.groups[request_id] = group
@@ -279,7 +312,9 @@ class LLMEngine:
                 num_generation_tokens=sum(seq.num_output_tokens for seq in group.sequences),
                 e2e_latency=now - group.arrival_time,
                 queue_time=None if scheduled is None else scheduled - group.arrival_time,
-                prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,
+                prefill_time=None
+                if first_token is None or scheduled is None
+                else first_token - scheduled,
                 decode_time=None if first_token is None else now - first_token,
             )
         )
@@ -288,7 +323,11 @@ class LLMEngine:
         """What happened since the previous call, with the running/waiting/KV state now."""
         stats, self._stats = self._stats, EngineStats()
         scheduler = self.scheduler
-        counters = (scheduler.num_preemptions, scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
+        counters = (
+            scheduler.num_preemptions,
+            scheduler.prefix_cache_queries,
+            scheduler.prefix_cache_hits,
+        )
         stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = (
             current - before for current, before in zip(counters, self._counted)
         )

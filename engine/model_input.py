@@ -46,11 +46,27 @@ class HostBatch:
 
     def _pack(self) -> torch.Tensor:
         reqs, width = self.block_tables.shape
-        header = [len(self.input_ids), reqs, width, len(self.logits_indices), len(self.block_copies)]
+        header = [
+            len(self.input_ids),
+            reqs,
+            width,
+            len(self.logits_indices),
+            len(self.block_copies),
+        ]
         copies = [i for pair in self.block_copies for i in pair]
-        body = [*header, *self.input_ids, *self.positions, *self.slots, *self.query_lens, *self.context_lens,
-                *self.logits_indices, *copies]
-        return torch.cat([torch.tensor(body, dtype=torch.int64), self.block_tables.flatten().long()])
+        body = [
+            *header,
+            *self.input_ids,
+            *self.positions,
+            *self.slots,
+            *self.query_lens,
+            *self.context_lens,
+            *self.logits_indices,
+            *copies,
+        ]
+        return torch.cat(
+            [torch.tensor(body, dtype=torch.int64), self.block_tables.flatten().long()]
+        )
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> HostBatch:
@@ -67,8 +83,17 @@ class HostBatch:
         query_lens, context_lens = take(reqs), take(reqs)
         logits_indices, pairs = take(logits), take(2 * copies)
         tables = packed[at : at + reqs * width].view(reqs, width).to(torch.int32)
-        return cls(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices,
-                   list(zip(pairs[::2], pairs[1::2])), _packed=packed)
+        return cls(
+            input_ids,
+            positions,
+            slots,
+            query_lens,
+            context_lens,
+            tables,
+            logits_indices,
+            list(zip(pairs[::2], pairs[1::2])),
+            _packed=packed,
+        )
 
     def to_device(self, device: torch.device, upload: PinnedUpload | None = None) -> ModelInput:
         """The batch on `device`: packed, copied in one transfer, then viewed field by field."""
@@ -115,8 +140,11 @@ class PinnedUpload:
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the buffer: refill it
         if self.buffer is None or self.buffer.numel() < n:
-            self.buffer = torch.empty(max(n, 2 * (0 if self.buffer is None else self.buffer.numel())),
-                                      dtype=torch.int64, pin_memory=True)
+            self.buffer = torch.empty(
+                max(n, 2 * (0 if self.buffer is None else self.buffer.numel())),
+                dtype=torch.int64,
+                pin_memory=True,
+            )
         self.buffer[:n].copy_(packed)
         out = self.buffer[:n].to(self.device, non_blocking=True)
         self.copied = torch.cuda.Event()
@@ -146,7 +174,9 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         input_ids.extend(req.all_token_ids[start:end])
         positions.extend(range(start, end))
         table = s.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
         query_lens.append(end - start)
         context_lens.append(end)
         first = len(logits_indices)
@@ -161,5 +191,14 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     tables = torch.zeros((len(out.scheduled), max(max_blocks, 1)), dtype=torch.int32)
     for i, s in enumerate(out.scheduled):
         tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    host = HostBatch(input_ids, positions, slots, query_lens, context_lens, tables, logits_indices, out.block_copies)
+    host = HostBatch(
+        input_ids,
+        positions,
+        slots,
+        query_lens,
+        context_lens,
+        tables,
+        logits_indices,
+        out.block_copies,
+    )
     return StepBatch(host, logits_rows)

@@ -87,8 +87,14 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> tuple[torch.dty
         return _DTYPES[name], "--dtype"
     if device.type == "cpu":
         if cpu_multiplies_bf16():
-            return torch.bfloat16, "auto: this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)"
-        return torch.float32, "auto: this CPU has no native bfloat16 (AVX512-BF16 or AMX), where float32 is faster"
+            return (
+                torch.bfloat16,
+                "auto: this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)",
+            )
+        return (
+            torch.float32,
+            "auto: this CPU has no native bfloat16 (AVX512-BF16 or AMX), where float32 is faster",
+        )
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     declared = _DTYPES.get(str(declared).removeprefix("torch."), torch.bfloat16)
     if declared == torch.float32:

@@ -24,7 +24,9 @@ from kernels.kv_store import copy_blocks
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+def kv_bytes_per_block(
+    hf_config, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> int:
     """Bytes of one KV block on one rank (each rank holds its own KV heads)."""
     _, kv_heads = Shard(0, tensor_parallel_size).kv_heads(hf_config.num_key_value_heads)
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim_of(hf_config)
@@ -62,9 +64,17 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = []  # the old pool goes before the new one is made
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, self.model.layers[0].self_attn.num_kv_heads, head_dim_of(cfg))
+        shape = (
+            num_blocks,
+            self.block_size,
+            self.model.layers[0].self_attn.num_kv_heads,
+            head_dim_of(cfg),
+        )
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
 
@@ -73,22 +83,43 @@ class ModelRunner:
         self._allocate(num_blocks)
         shard = self.model.shard
         if shard.rank == 0:
-            gib = kv_bytes_per_block(self.model.config, self.block_size, self.dtype, shard.size) * num_blocks / 2**30
+            gib = (
+                kv_bytes_per_block(self.model.config, self.block_size, self.dtype, shard.size)
+                * num_blocks
+                / 2**30
+            )
             per_rank = " per rank" if shard.size > 1 else ""
-            log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s", num_blocks, self.block_size,
-                     num_blocks * self.block_size, gib, per_rank)
+            log.info(
+                "KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s",
+                num_blocks,
+                self.block_size,
+                num_blocks * self.block_size,
+                gib,
+                per_rank,
+            )
         if self.use_cuda_graphs:
             started = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.max_num_seqs,
-                                       -(-self.max_model_len // self.block_size), capture=True)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                self.max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                capture=True,
+            )
             if shard.rank == 0:
-                log.info("CUDA graphs: decode batch sizes %s captured in %.1f s", self.graphs.sizes,
-                         time.perf_counter() - started)
+                log.info(
+                    "CUDA graphs: decode batch sizes %s captured in %.1f s",
+                    self.graphs.sizes,
+                    time.perf_counter() - started,
+                )
 
     @torch.inference_mode()
     def execute(self, batch: HostBatch) -> torch.Tensor | None:
         """Logits (float32) of the rows in `batch.logits_indices` (None on ranks other than 0)."""
-        copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], batch.block_copies)
+        copy_blocks(
+            [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], batch.block_copies
+        )
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch, self.upload))
         inp = batch.to_device(self.device, self.upload)
@@ -96,7 +127,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
 
-def graphs_off_reason(config: EngineConfig, backend: AttentionBackend, tensor_parallel_size: int) -> str | None:
+def graphs_off_reason(
+    config: EngineConfig, backend: AttentionBackend, tensor_parallel_size: int
+) -> str | None:
     """Why decode steps will run eagerly, or None when they will replay CUDA graphs."""
     if config.model.enforce_eager:
         return "--enforce-eager"
@@ -109,21 +142,32 @@ def graphs_off_reason(config: EngineConfig, backend: AttentionBackend, tensor_pa
     return None
 
 
-def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tuple[LoadedModel, ModelRunner]:
+def build_runner(
+    config: EngineConfig, shard: Shard, max_model_len: int
+) -> tuple[LoadedModel, ModelRunner]:
     """This rank's shard of the model and its runner (one GPU per rank on CUDA). `config` has
     its attention backend and block size resolved (LLMEngine does it)."""
-    device = resolve_device(config.model.device)  # LLMEngine resolved it; a runner built alone may not have
+    device = resolve_device(
+        config.model.device
+    )  # LLMEngine resolved it; a runner built alone may not have
     if shard.size > 1 and device.startswith("cuda"):
         device = f"cuda:{shard.rank}"
     if device != config.model.device:
-        config = config.model_copy(update={"model": config.model.model_copy(update={"device": device})})
+        config = config.model_copy(
+            update={"model": config.model.model_copy(update={"device": device})}
+        )
     if device == "cpu":
         why_not = keep_freed_memory()
         if why_not is not None and shard.rank == 0:
-            log.warning("freed CPU memory goes back to the kernel (%s): each step page-faults its activations", why_not)
+            log.warning(
+                "freed CPU memory goes back to the kernel (%s): each step page-faults its activations",
+                why_not,
+            )
     loaded = load_model(config.model, shard)
     if not config.model.enforce_eager and loaded.model.pack_weights() and shard.rank == 0:
-        log.info("linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)")
+        log.info(
+            "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
+        )
     if device == "cpu" and not config.model.enforce_eager:
         why_not = loaded.model.fuse_cpu_ops()
         if why_not is not None and shard.rank == 0:
@@ -132,6 +176,12 @@ def build_runner(config: EngineConfig, shard: Shard, max_model_len: int) -> tupl
     off = graphs_off_reason(config, backend, shard.size)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)
-    runner = ModelRunner(loaded.model, backend, config.cache.block_size, max_model_len, config.scheduler.max_num_seqs,
-                         use_cuda_graphs=off is None)
+    runner = ModelRunner(
+        loaded.model,
+        backend,
+        config.cache.block_size,
+        max_model_len,
+        config.scheduler.max_num_seqs,
+        use_cuda_graphs=off is None,
+    )
     return loaded, runner

@@ -73,7 +73,9 @@ def update_text(request: Request, seq: SequenceText, token_id: int) -> None:
             best = (idx, stop)
     if best is not None:
         idx, stop = best
-        seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+        seq.text = (
+            seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+        )
         request.finish_reason, request.stop_reason = "stop", stop
 
 
@@ -84,7 +86,11 @@ def make_output(group: RequestGroup) -> RequestOutput:
     outputs = []
     for seq, text in zip(group.sequences, group.texts):
         hold = 0
-        if not seq.is_finished and seq.params.stop_strings and not seq.params.include_stop_str_in_output:
+        if (
+            not seq.is_finished
+            and seq.params.stop_strings
+            and not seq.params.include_stop_str_in_output
+        ):
             hold = max(len(s) for s in seq.params.stop_strings) - 1
         visible = max(text.sent_chars, len(text.text) - hold)
         delta = text.text[text.sent_chars : visible]
@@ -109,5 +115,7 @@ def make_output(group: RequestGroup) -> RequestOutput:
         outputs=outputs,
         finished=group.finished,
         # The sample that ran the prompt; a copy, since the engine thread goes on appending to it.
-        prompt_logprobs=list(group.sequences[0].prompt_logprobs) if group.sequences[0].prompt_logprobs is not None else None,
+        prompt_logprobs=list(group.sequences[0].prompt_logprobs)
+        if group.sequences[0].prompt_logprobs is not None
+        else None,
     )

@@ -72,7 +72,9 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute: such a request must run its whole prompt (no cache hits)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

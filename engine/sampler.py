@@ -28,20 +28,29 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
     logits.index_add_(0, ids, vals)
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> None:
     """In place on one row. Repetition (over prompt and output tokens): a positive logit is
     divided by the penalty, a negative one multiplied. Frequency and presence (OpenAI, over the
     generated tokens): logit -= count * frequency_penalty + (count > 0) * presence_penalty."""
     device = logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        seen = torch.tensor(
+            sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device
+        )
         if seen.numel():
             vals = logits[seen]
             p = params.repetition_penalty
             logits[seen] = torch.where(vals > 0, vals / p, vals * p)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=logits.shape[0])[: logits.shape[0]]
-        logits -= counts.to(logits.dtype) * params.frequency_penalty + (counts > 0).to(logits.dtype) * params.presence_penalty
+        counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=logits.shape[0])[
+            : logits.shape[0]
+        ]
+        logits -= (
+            counts.to(logits.dtype) * params.frequency_penalty
+            + (counts > 0).to(logits.dtype) * params.presence_penalty
+        )
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

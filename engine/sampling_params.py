@@ -34,11 +34,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias is not None:  # JSON gives string keys: make them token ids here, not mid-step
+        if (
+            self.logit_bias is not None
+        ):  # JSON gives string keys: make them token ids here, not mid-step
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+                raise InvalidRequestError(
+                    "logit_bias must map token ids to numbers", "logit_bias"
+                ) from None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -46,25 +50,59 @@ class SamplingParams:
     def validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}"),
+            (
+                self.temperature >= 0,
+                "temperature",
+                f"temperature must be non-negative, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),
+            (
+                self.top_k >= 0,
+                "top_k",
+                f"top_k must be -1 (disabled) or at least 1, got {self.top_k}",
+            ),
             (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.seed is None or -_INT64 <= self.seed < _INT64, "seed", f"seed must fit in int64, got {self.seed}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be non-negative, got {self.logprobs}"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty",
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            (
+                self.seed is None or -_INT64 <= self.seed < _INT64,
+                "seed",
+                f"seed must fit in int64, got {self.seed}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= 0,
+                "logprobs",
+                f"logprobs must be non-negative, got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                "repetition_penalty",
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            ),
             (all(s for s in self.stop_strings), "stop", "stop strings must not be empty"),
-            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
-             "logit_bias values must be in [-100, 100]"),
+            (
+                all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()),
+                "logit_bias",
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -76,4 +114,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

@@ -81,13 +81,18 @@ class Scheduler:
 
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [
-            ScheduledRequest(by_id[rid], n, self.kv.block_table(by_id[rid])) for rid, n in scheduled.items()
+            ScheduledRequest(by_id[rid], n, self.kv.block_table(by_id[rid]))
+            for rid, n in scheduled.items()
         ]
         out.block_copies = self.kv.take_pending_copies()
         return out
 
     def _admit(self, budget: int, scheduled: dict[str, int]) -> None:
-        while self.waiting and budget > 0 and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs
+        ):
             request = self.waiting[0]
             hits = self.kv.get_computed_blocks(request)  # a waiting request has nothing computed
             num_cached = len(hits) * self.kv.block_size

@@ -10,7 +10,11 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[i
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     # The template already holds the special tokens; do not add a second BOS.
     return encode(tokenizer, text, add_special_tokens=False)

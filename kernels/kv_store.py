@@ -17,11 +17,17 @@ def store_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(
+        0, slot_mapping, k.to(k_cache.dtype)
+    )
+    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(
+        0, slot_mapping, v.to(v_cache.dtype)
+    )
 
 
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
     """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
     if not pairs:
         return

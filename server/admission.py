@@ -60,8 +60,11 @@ class Gate:
         if self.max_waiting is not None and self.waiting >= self.max_waiting:
             self.reject("queue_full")
             raise APIError(
-                503, f"the server is at its limit of {self.max_waiting} waiting requests (--max-waiting-requests): "
-                f"retry after {RETRY_AFTER_SECONDS} s", type="service_unavailable", code="queue_full",
+                503,
+                f"the server is at its limit of {self.max_waiting} waiting requests (--max-waiting-requests): "
+                f"retry after {RETRY_AFTER_SECONDS} s",
+                type="service_unavailable",
+                code="queue_full",
             )
         self.waiting += 1
         self.in_flight += 1
@@ -93,13 +96,19 @@ class AdmissionMiddleware:
         self.gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         try:
             ticket = self.gate.admit()
         except APIError as refused:
-            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if refused.code == "queue_full" else None
+            headers = (
+                {"Retry-After": str(RETRY_AFTER_SECONDS)} if refused.code == "queue_full" else None
+            )
             await refused.response(headers)(scope, receive, send)
             return
         scope.setdefault("state", {})["ticket"] = ticket

@@ -38,8 +38,13 @@ from server.state import ServerState, served_model_names
 def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
     """The engine's metrics in a registry of their own, fed from now on by its thread."""
     inner = engine.engine
-    metrics = EngineMetrics(CollectorRegistry(), served_model_names(engine, config)[0], inner.block_size,
-                            inner.kv.pool.num_blocks, inner.max_model_len)
+    metrics = EngineMetrics(
+        CollectorRegistry(),
+        served_model_names(engine, config)[0],
+        inner.block_size,
+        inner.kv.pool.num_blocks,
+        inner.max_model_len,
+    )
     engine.on_stats = metrics.record
     return metrics
 
@@ -51,7 +56,9 @@ def package_version() -> str:
         return "unknown"
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None
+) -> FastAPI:
     """The app serves `engine`, which the caller starts and stops (one engine can back several
     apps), and `metrics` at /metrics (see `attach_metrics`)."""
     state = ServerState.build(engine, config, metrics.reject if metrics else None)
@@ -87,15 +94,21 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics
             raise unavailable()
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
+        return ModelCard(
+            id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len
+        )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request) -> Completion | StreamingResponse:
+    async def completions(
+        req: CompletionRequest, request: Request
+    ) -> Completion | StreamingResponse:
         require_engine()
         return await create_completion(state, req, request)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> ChatCompletion | StreamingResponse:
+    async def chat_completions(
+        req: ChatCompletionRequest, request: Request
+    ) -> ChatCompletion | StreamingResponse:
         require_engine()
         return await create_chat_completion(state, req, request)
 
@@ -124,9 +137,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics
         state.resolve_model(req.model)
         req.check()
         if req.messages is not None:
-            ids = await state.off_loop(render_chat, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt)
+            ids = await state.off_loop(
+                render_chat, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt
+            )
         else:
-            ids = await state.off_loop(encode, state.tokenizer, req.prompt or "", req.add_special_tokens)
+            ids = await state.off_loop(
+                encode, state.tokenizer, req.prompt or "", req.add_special_tokens
+            )
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -134,7 +151,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics
         state.resolve_model(req.model)
         bad = [t for t in req.tokens if t >= state.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param="tokens")
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                param="tokens",
+            )
         return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
 
     @app.get("/metrics")

@@ -16,11 +16,17 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = (
-                    "Incorrect API key provided." if given else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
+                    "Incorrect API key provided."
+                    if given
+                    else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
                 )
                 error = APIError(401, message, code="invalid_api_key")
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)

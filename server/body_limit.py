@@ -11,7 +11,9 @@ from server.errors import APIError
 
 
 def _message(limit: int) -> str:
-    return f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)"
+    return (
+        f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)"
+    )
 
 
 class BodyLimitMiddleware:

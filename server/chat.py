@@ -13,7 +13,13 @@ from fastapi.responses import StreamingResponse
 from engine import RequestOutput
 from engine.outputs import CompletionOutput
 from server.errors import as_api_error
-from server.inputs import chat_messages, check_limits, render_chat, resolve_max_tokens, sampling_params
+from server.inputs import (
+    chat_messages,
+    check_limits,
+    render_chat,
+    resolve_max_tokens,
+    sampling_params,
+)
 from server.logprobs import chat_logprobs
 from server.protocol import (
     AssistantMessage,
@@ -36,10 +42,16 @@ async def create_chat_completion(
     model = state.resolve_model(req.model)
     req.check()
     messages = chat_messages(req.messages)
-    prompt_ids = await state.off_loop(render_chat, state.tokenizer, messages, req.add_generation_prompt)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt_ids = await state.off_loop(
+        render_chat, state.tokenizer, messages, req.add_generation_prompt
+    )
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     check_limits(state.config, req.n, len(prompt_ids), requested, "messages")
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", state.config.max_output_tokens)
+    max_tokens = resolve_max_tokens(
+        requested, len(prompt_ids), state.max_model_len, "messages", state.config.max_output_tokens
+    )
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, top_n)
     state.engine.engine.validate(prompt_ids, params)
@@ -54,7 +66,10 @@ async def create_chat_completion(
         return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
 
     if req.stream:
-        return StreamingResponse(_stream(req, stream, response_id, created, model, logprobs_of), media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(req, stream, response_id, created, model, logprobs_of),
+            media_type="text/event-stream",
+        )
 
     async def collect() -> RequestOutput:
         final = None
@@ -66,25 +81,39 @@ async def create_chat_completion(
     final = await until_disconnected(request, collect())
     choices = [
         ChatChoice(
-            index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs_of(c, c.token_ids, 0),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            index=c.index,
+            message=AssistantMessage(content=c.text),
+            logprobs=logprobs_of(c, c.token_ids, 0),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
         )
         for c in final.outputs
     ]
-    return ChatCompletion(id=response_id, created=created, model=model, choices=choices, usage=Usage.of([final]))
+    return ChatCompletion(
+        id=response_id, created=created, model=model, choices=choices, usage=Usage.of([final])
+    )
 
 
 LogprobsOf = Callable[[CompletionOutput, list[int], int], ChatLogprobs | None]
 
 
 async def _stream(
-    req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], response_id: str, created: int, model: str,
+    req: ChatCompletionRequest,
+    stream: AsyncIterator[RequestOutput],
+    response_id: str,
+    created: int,
+    model: str,
     logprobs_of: LogprobsOf,
 ) -> AsyncIterator[str]:
     exclude = None if req.include_usage else {"usage"}
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, usage=usage), exclude)
+        return sse(
+            ChatCompletionChunk(
+                id=response_id, created=created, model=model, choices=choices, usage=usage
+            ),
+            exclude,
+        )
 
     finished: set[int] = set()
     sent_tokens = [0] * req.n
@@ -98,7 +127,11 @@ async def _stream(
             for c in output.outputs:
                 if c.index in finished:
                     continue  # a sibling's output repeats this finished sample: nothing is new
-                logprobs = logprobs_of(c, c.token_ids_delta, sent_tokens[c.index]) if c.token_ids_delta else None
+                logprobs = (
+                    logprobs_of(c, c.token_ids_delta, sent_tokens[c.index])
+                    if c.token_ids_delta
+                    else None
+                )
                 sent_tokens[c.index] += len(c.token_ids_delta)
                 if not c.text_delta and logprobs is None and c.finish_reason is None:
                     continue  # text held back (a partial character or stop string): nothing to show yet
@@ -106,7 +139,11 @@ async def _stream(
                 if c.finish_reason is not None:
                     finished.add(c.index)
                 choice = ChatChunkChoice(
-                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                    index=c.index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
                 )
                 yield chunk([choice])
         if req.include_usage and final is not None:

@@ -16,7 +16,9 @@ from config.sources import SERVE_SECTIONS, add_flags, merge, serve_config
 from engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 
 MODEL_HELP = "local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
-CONFIG_HELP = "YAML file of settings keyed by flag name; flags and PAGEDSERVE_* variables override it"
+CONFIG_HELP = (
+    "YAML file of settings keyed by flag name; flags and PAGEDSERVE_* variables override it"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,13 +29,20 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "run the OpenAI-compatible HTTP server", SERVE_SECTIONS),
         ("generate", "generate offline from prompts given on the command line", ENGINE_SECTIONS),
     ):
-        command = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}. {precedence}")
+        command = sub.add_parser(
+            name, help=what, description=f"{what[0].upper()}{what[1:]}. {precedence}"
+        )
         command.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
         command.add_argument("--config", type=Path, default=None, help=CONFIG_HELP)
         add_flags(command, sections, skip=("model",))
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    gen.add_argument("--chat", action="append", default=[], help="a user message, rendered with the chat template (repeatable)")
+    gen.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        help="a user message, rendered with the chat template (repeatable)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     return parser
@@ -50,8 +59,14 @@ def _generate(args: dict[str, object], parser: argparse.ArgumentParser) -> None:
         prompts: list[str | list[int]] = list(prompts_given)
         prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in chats]
         for output in llm.generate(prompts, params):
-            shown = output.prompt if output.prompt is not None else llm.tokenizer.decode(output.prompt_token_ids)
-            print(f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]")
+            shown = (
+                output.prompt
+                if output.prompt is not None
+                else llm.tokenizer.decode(output.prompt_token_ids)
+            )
+            print(
+                f"--- prompt: {shown!r}\n{output.outputs[0].text}\n[finish_reason={output.outputs[0].finish_reason}]"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,13 @@ from engine.tokenization import encode
 from server.errors import as_api_error, invalid
 from server.inputs import check_limits, resolve_max_tokens, sampling_params
 from server.logprobs import add_completion_logprobs
-from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from server.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
 from server.state import ServerState
 from server.streaming import DONE, merge, sse, until_disconnected
 
@@ -53,25 +59,44 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     logprobs = req.logprobs
     for p in prompts:
         check_limits(state.config, req.n, len(p.token_ids), req.max_tokens, "prompt")
-        max_tokens = resolve_max_tokens(req.max_tokens, len(p.token_ids), state.max_model_len, "prompt",
-                                        state.config.max_output_tokens)
-        p.params = sampling_params(req, max_tokens, logprobs, prompt_logprobs=logprobs if req.echo else None)
-        state.engine.engine.validate(p.token_ids, p.params)  # 400 now, not an error later from the engine thread
+        max_tokens = resolve_max_tokens(
+            req.max_tokens,
+            len(p.token_ids),
+            state.max_model_len,
+            "prompt",
+            state.config.max_output_tokens,
+        )
+        p.params = sampling_params(
+            req, max_tokens, logprobs, prompt_logprobs=logprobs if req.echo else None
+        )
+        state.engine.engine.validate(
+            p.token_ids, p.params
+        )  # 400 now, not an error later from the engine thread
     return prompts
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Completion | StreamingResponse:
+async def create_completion(
+    state: ServerState, req: CompletionRequest, request: Request
+) -> Completion | StreamingResponse:
     model = state.resolve_model(req.model)
     prompts = await _prepare(state, req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = [
-        state.generate(request, p.text if p.text is not None else p.token_ids, p.params, f"{response_id}-{i}", p.token_ids)
+        state.generate(
+            request,
+            p.text if p.text is not None else p.token_ids,
+            p.params,
+            f"{response_id}-{i}",
+            p.token_ids,
+        )
         for i, p in enumerate(prompts)
     ]
     writer = _ChoiceWriter(state, req, prompts)
     if req.stream:
-        return StreamingResponse(_stream(writer, streams, response_id, created, model), media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(writer, streams, response_id, created, model), media_type="text/event-stream"
+        )
 
     async def collect() -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -81,7 +106,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     finals = await until_disconnected(request, collect())
     choices = [writer.full_choice(i, c, out) for i, out in enumerate(finals) for c in out.outputs]
-    return Completion(id=response_id, created=created, model=model, choices=choices, usage=Usage.of(finals))
+    return Completion(
+        id=response_id, created=created, model=model, choices=choices, usage=Usage.of(finals)
+    )
 
 
 class _ChoiceWriter:
@@ -99,13 +126,23 @@ class _ChoiceWriter:
 
     def _echo_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
-        return prompt.text if prompt.text is not None else self.state.tokenizer.decode(prompt.token_ids)
+        return (
+            prompt.text
+            if prompt.text is not None
+            else self.state.tokenizer.decode(prompt.token_ids)
+        )
 
-    def _echo_logprobs(self, target: CompletionLogprobs, prompt_index: int, output: RequestOutput) -> int:
+    def _echo_logprobs(
+        self, target: CompletionLogprobs, prompt_index: int, output: RequestOutput
+    ) -> int:
         positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-        return add_completion_logprobs(target, self.state.tokenizer, output.prompt_token_ids, positions, 0)
+        return add_completion_logprobs(
+            target, self.state.tokenizer, output.prompt_token_ids, positions, 0
+        )
 
-    def full_choice(self, prompt_index: int, c: CompletionOutput, output: RequestOutput) -> CompletionChoice:
+    def full_choice(
+        self, prompt_index: int, c: CompletionOutput, output: RequestOutput
+    ) -> CompletionChoice:
         text = c.text
         logprobs = None
         offset = 0
@@ -113,15 +150,22 @@ class _ChoiceWriter:
             logprobs = CompletionLogprobs()
             if self.req.echo:
                 offset = self._echo_logprobs(logprobs, prompt_index, output)
-            add_completion_logprobs(logprobs, self.state.tokenizer, c.token_ids, c.logprobs or [], offset)
+            add_completion_logprobs(
+                logprobs, self.state.tokenizer, c.token_ids, c.logprobs or [], offset
+            )
         if self.req.echo:
             text = self._echo_text(prompt_index) + text
         return CompletionChoice(
-            index=self.index(prompt_index, c.index), text=text, logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            index=self.index(prompt_index, c.index),
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
         )
 
-    def delta_choice(self, prompt_index: int, c: CompletionOutput, output: RequestOutput) -> CompletionChoice | None:
+    def delta_choice(
+        self, prompt_index: int, c: CompletionOutput, output: RequestOutput
+    ) -> CompletionChoice | None:
         """What is new for this choice since its last chunk, or None if nothing is."""
         index = self.index(prompt_index, c.index)
         first = index not in self.offsets
@@ -134,7 +178,9 @@ class _ChoiceWriter:
                 offset = self._echo_logprobs(logprobs, prompt_index, output)
             sent = self.logprobs_sent.get(index, 0)
             new = (c.logprobs or [])[sent:]
-            offset = add_completion_logprobs(logprobs, self.state.tokenizer, c.token_ids[sent:], new, offset)
+            offset = add_completion_logprobs(
+                logprobs, self.state.tokenizer, c.token_ids[sent:], new, offset
+            )
             self.logprobs_sent[index] = sent + len(new)
         if first and self.req.echo:
             text = self._echo_text(prompt_index) + text
@@ -142,13 +188,20 @@ class _ChoiceWriter:
         if not text and not (logprobs and logprobs.tokens) and c.finish_reason is None:
             return None
         return CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
         )
 
 
-
 async def _stream(
-    writer: _ChoiceWriter, streams: list[AsyncIterator[RequestOutput]], response_id: str, created: int, model: str
+    writer: _ChoiceWriter,
+    streams: list[AsyncIterator[RequestOutput]],
+    response_id: str,
+    created: int,
+    model: str,
 ) -> AsyncIterator[str]:
     exclude = None if writer.req.include_usage else {"usage"}
     finals: dict[int, RequestOutput] = {}
@@ -170,7 +223,9 @@ async def _stream(
                 finals[prompt_index] = output
         if writer.req.include_usage:
             usage = Usage.of([finals[i] for i in range(len(writer.prompts))])
-            yield sse(Completion(id=response_id, created=created, model=model, choices=[], usage=usage))
+            yield sse(
+                Completion(id=response_id, created=created, model=model, choices=[], usage=usage)
+            )
     except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse(as_api_error(exc).body())
     yield DONE

@@ -21,7 +21,12 @@ log = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,7 +56,9 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return APIError(
+        404, f"The model '{name}' does not exist", param="model", code="model_not_found"
+    )
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:
@@ -115,7 +122,14 @@ def _pick(errors: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _json_kind(value: object) -> str:
-    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    kinds = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
@@ -124,17 +138,23 @@ def _body_error(first: dict[str, Any], content_type: str | None) -> APIError | N
     pydantic's words for it."""
     kind = first.get("type")
     if kind == "json_invalid":
-        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+        return invalid(
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        )
     if tuple(first.get("loc", ())) != ("body",):
         return None
     if kind == "missing":
-        return invalid("the request body is empty: send a JSON object, with Content-Type: application/json")
+        return invalid(
+            "the request body is empty: send a JSON object, with Content-Type: application/json"
+        )
     given = first.get("input")
     if isinstance(given, (bytes, bytearray)):
         # FastAPI parses only a body declared as JSON; text/plain and form bodies are what any web
         # page may send across origins without a CORS preflight, so they are never guessed at.
         sent = f"Content-Type: {content_type}" if content_type else "no Content-Type"
-        return invalid(f"the request body must be JSON, sent with Content-Type: application/json (got {sent[:100]})")
+        return invalid(
+            f"the request body must be JSON, sent with Content-Type: application/json (got {sent[:100]})"
+        )
     return invalid(f"the request body must be a JSON object, not {_json_kind(given)}")
 
 
@@ -148,7 +168,11 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
     path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(path) or None
     given = first.get("input")
-    shown = json.dumps(given)[:100] if isinstance(given, (int, float, str, bool)) or given is None else None
+    shown = (
+        json.dumps(given)[:100]
+        if isinstance(given, (int, float, str, bool)) or given is None
+        else None
+    )
     detail = f"{first['msg']}" + (f" (got {shown})" if shown is not None and param else "")
     return invalid(f"{param}: {detail}" if param else detail, param)
 
@@ -157,10 +181,14 @@ def _unparsable_body(exc: StarletteHTTPException) -> APIError | None:
     """FastAPI answers a body its JSON parser raised on (other than with a syntax error) with a
     bare 400 "There was an error parsing the body"; the parser's own error says why."""
     cause = exc.__cause__
-    if exc.status_code != 400 or cause is None or exc.detail != "There was an error parsing the body":
+    if (
+        exc.status_code != 400
+        or cause is None
+        or exc.detail != "There was an error parsing the body"
+    ):
         return None
     if isinstance(cause, UnicodeDecodeError):
-        reason = f"it is not UTF-8 text (byte {cause.object[cause.start:cause.start + 1]!r} at position {cause.start})"
+        reason = f"it is not UTF-8 text (byte {cause.object[cause.start : cause.start + 1]!r} at position {cause.start})"
     elif isinstance(cause, RecursionError):
         reason = "it is nested too deeply"
     elif isinstance(cause, ValueError):  # e.g. an integer longer than Python's 4300-digit limit

@@ -15,6 +15,7 @@ def sampling_params(
     req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
     """OpenAI's defaults where the request is silent (temperature 1, top_p 1, no penalties)."""
+
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
@@ -40,24 +41,36 @@ def sampling_params(
     )
 
 
-def check_limits(config: ServerConfig, n: int, prompt_len: int, requested: int | None, prompt_param: str) -> None:
+def check_limits(
+    config: ServerConfig, n: int, prompt_len: int, requested: int | None, prompt_param: str
+) -> None:
     """The server's own ceilings (flags), each refused with a message naming it."""
     if n > config.max_n:
         raise invalid(f"n={n} is more than this server's limit of {config.max_n} (--max-n)", "n")
     if config.max_prompt_tokens is not None and prompt_len > config.max_prompt_tokens:
         raise invalid(
             f"the prompt has {prompt_len} tokens, more than this server's limit of {config.max_prompt_tokens} "
-            "(--max-prompt-tokens)", prompt_param,
+            "(--max-prompt-tokens)",
+            prompt_param,
         )
-    if config.max_output_tokens is not None and requested is not None and requested > config.max_output_tokens:
+    if (
+        config.max_output_tokens is not None
+        and requested is not None
+        and requested > config.max_output_tokens
+    ):
         raise invalid(
             f"max_tokens={requested} is more than this server's limit of {config.max_output_tokens} (--max-output-tokens)",
             "max_tokens",
         )
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str,
-                       limit: int | None = None) -> int:
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str,
+    limit: int | None = None,
+) -> int:
     """The completion budget: what was asked, which must fit beside the prompt, or (unasked)
     all the room the context has left, up to the server's `limit`."""
     room = max_model_len - prompt_len
@@ -84,7 +97,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise invalid(f"content part of type {part.type!r} is not supported: only text", f"messages.{i}.content.{j}")
+                    raise invalid(
+                        f"content part of type {part.type!r} is not supported: only text",
+                        f"messages.{i}.content.{j}",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         fields = message.model_dump(exclude_none=True)
@@ -93,7 +109,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> list[int]:
     """Token ids of the conversation under the model's chat template (runs off the event loop)."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template: use /v1/completions", "messages")

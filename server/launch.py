@@ -25,12 +25,24 @@ def serve(config: ServeConfig) -> int:
     settings = config.server
     try:
         app = create_app(engine, settings, metrics)
-        log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_names[0], settings.host,
-                 settings.port, engine.engine.max_model_len)
+        log.info(
+            "serving %s on http://%s:%d (max_model_len %d)",
+            app.state.server.model_names[0],
+            settings.host,
+            settings.port,
+            engine.engine.max_model_len,
+        )
         server = DrainingServer(
-            uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                           timeout_graceful_shutdown=GRACEFUL_SECONDS),
-            engine, app.state.server.gate, settings.shutdown_timeout,
+            uvicorn.Config(
+                app,
+                host=settings.host,
+                port=settings.port,
+                log_level=settings.uvicorn_log_level,
+                timeout_graceful_shutdown=GRACEFUL_SECONDS,
+            ),
+            engine,
+            app.state.server.gate,
+            settings.shutdown_timeout,
         )
         server.run()
     finally:
@@ -38,7 +50,9 @@ def serve(config: ServeConfig) -> int:
     if not server.started:
         log.error("the HTTP server did not start")
         return 1
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    left = [
+        t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
+    ]
     if left:
         log.warning("threads still running at exit: %s", left)
     log.info("stopped (exit status %d)", server.exit_code)

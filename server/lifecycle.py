@@ -34,7 +34,9 @@ FLUSH_SECONDS = 10.0  # for responses still being sent once their requests have 
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, shutdown_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, shutdown_timeout: float
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.gate = gate
@@ -57,7 +59,9 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             yield
         finally:
@@ -69,7 +73,11 @@ class DrainingServer(uvicorn.Server):
             log.warning("second %s: exiting now", signal.Signals(signum).name)
             os._exit(128 + signum)
         self._signalled = True
-        log.info("%s: draining (up to %.0f s for requests in flight)", signal.Signals(signum).name, self.shutdown_timeout)
+        log.info(
+            "%s: draining (up to %.0f s for requests in flight)",
+            signal.Signals(signum).name,
+            self.shutdown_timeout,
+        )
         self.begin_drain()
 
     async def serve(self, sockets: list | None = None) -> None:
@@ -89,7 +97,9 @@ class DrainingServer(uvicorn.Server):
         finally:
             drain.cancel()
         if self.engine.error is not None:
-            log.error("the engine has failed; stopping the server with status 1 so that it is restarted")
+            log.error(
+                "the engine has failed; stopping the server with status 1 so that it is restarted"
+            )
             self.exit_code = 1
             self.gate.draining = True
             await self._wait_idle(FLUSH_SECONDS)
@@ -104,8 +114,14 @@ class DrainingServer(uvicorn.Server):
         if await self._wait_idle(self.shutdown_timeout):
             log.info("drained: every request in flight has finished")
             return
-        log.warning("shutdown timeout (%.0f s): aborting %d requests in flight", self.shutdown_timeout, self.gate.in_flight)
-        await asyncio.to_thread(self.engine.shutdown)  # aborts what is in flight, then stops the thread
+        log.warning(
+            "shutdown timeout (%.0f s): aborting %d requests in flight",
+            self.shutdown_timeout,
+            self.gate.in_flight,
+        )
+        await asyncio.to_thread(
+            self.engine.shutdown
+        )  # aborts what is in flight, then stops the thread
         await self._wait_idle(FLUSH_SECONDS)
 
     async def _wait_idle(self, timeout: float) -> bool:

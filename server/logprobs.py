@@ -45,11 +45,17 @@ def _top(tokenizer: Any, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> list[TokenLogprob]:
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], top_n: int
+) -> list[TokenLogprob]:
     """One entry per token with exactly the `top_n` most likely alternatives, best first."""
     entries = []
     for token_id, position in zip(token_ids, positions):
         chosen = _top(tokenizer, token_id, position[token_id])
         ranked = sorted(position.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
-        entries.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[_top(tokenizer, t, lp) for t, lp in ranked]))
+        entries.append(
+            TokenLogprob(
+                **chosen.model_dump(), top_logprobs=[_top(tokenizer, t, lp) for t, lp in ranked]
+            )
+        )
     return entries

@@ -12,11 +12,74 @@ from engine.stats import EngineStats
 PREFIX = "pagedserve:"
 
 # Bucket boundaries as vLLM publishes them.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
@@ -36,7 +99,14 @@ def one_two_five_buckets(limit: int) -> list[int]:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, block_size: int, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
         self.registry = registry
         labels = ["model_name"]
 
@@ -52,30 +122,60 @@ class EngineMetrics:
         m = model_name
         self.running = gauge("num_requests_running", "Sequences in the running batch.").labels(m)
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: 1 means every block is in use.").labels(m)
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV cache usage: 1 means every block is in use."
+        ).labels(m)
         self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(m)
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(m)
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(m)
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(m)
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(m)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(m)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
         success = counter("request_success", "Requests finished, by reason.", ("finished_reason",))
         self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
         rejected = counter("request_rejected", "Requests refused with 503, by reason.", ("reason",))
         self.rejected = {reason: rejected.labels(m, reason) for reason in REJECT_REASONS}
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(m)
-        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a sample.", ITL_BUCKETS).labels(m)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS).labels(m)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS).labels(m)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                 REQUEST_LATENCY_BUCKETS).labels(m)
-        self.decode = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS).labels(m)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        ).labels(m)
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between successive tokens of a sample.",
+            ITL_BUCKETS,
+        ).labels(m)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS
+        ).labels(m)
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
+        ).labels(m)
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to first token.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(m)
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
+        ).labels(m)
         token_buckets = one_two_five_buckets(max_model_len)
-        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", token_buckets).labels(m)
-        self.request_generation = histogram("request_generation_tokens", "Generated tokens per request.",
-                                            token_buckets).labels(m)
-        self.iteration = histogram("iteration_tokens_total", "Tokens scheduled per engine step.",
-                                   ITERATION_TOKEN_BUCKETS).labels(m)
-        info = Gauge(PREFIX + "cache_config_info", "KV cache configuration.", ["block_size", "num_gpu_blocks"], registry=registry)
+        self.request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        ).labels(m)
+        self.request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets
+        ).labels(m)
+        self.iteration = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
+        ).labels(m)
+        info = Gauge(
+            PREFIX + "cache_config_info",
+            "KV cache configuration.",
+            ["block_size", "num_gpu_blocks"],
+            registry=registry,
+        )
         info.labels(str(block_size), str(num_blocks)).set(1)
 
     def reject(self, reason: str) -> None:
@@ -103,6 +203,10 @@ class EngineMetrics:
             self.e2e.observe(done.e2e_latency)
             self.request_prompt.observe(done.num_prompt_tokens)
             self.request_generation.observe(done.num_generation_tokens)
-            for histogram, value in ((self.queue, done.queue_time), (self.prefill, done.prefill_time), (self.decode, done.decode_time)):
+            for histogram, value in (
+                (self.queue, done.queue_time),
+                (self.prefill, done.prefill_time),
+                (self.decode, done.decode_time),
+            ):
                 if value is not None:
                     histogram.observe(value)

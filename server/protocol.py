@@ -38,7 +38,9 @@ def _encodable(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode text, not a lone surrogate at position {exc.start}") from None
+        raise ValueError(
+            f"must be valid Unicode text, not a lone surrogate at position {exc.start}"
+        ) from None
     return text
 
 
@@ -87,13 +89,17 @@ class SamplingFields(_Request):
     def check(self) -> None:
         """Rules across fields, raised with the parameter to blame (pydantic would not name it)."""
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         for name in ("tools", "functions", "suffix"):
             if getattr(self, name, None):
                 raise InvalidRequestError(f"{name} is not supported by this server", name)
         response_format = getattr(self, "response_format", None)
         if response_format is not None and response_format != {"type": "text"}:
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported", "response_format")
+            raise InvalidRequestError(
+                "only response_format {'type': 'text'} is supported", "response_format"
+            )
 
 
 class CompletionRequest(SamplingFields):
@@ -158,7 +164,9 @@ class Usage(BaseModel):
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         total = prompt_tokens + completion_tokens
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total)
+        return cls(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total
+        )
 
 
 class CompletionLogprobs(BaseModel):

@@ -25,7 +25,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_names(engine: AsyncEngine, config: ServerConfig) -> list[str]:
-    return list(config.served_model_name or [engine.engine.config.model.model or DEFAULT_MODEL_NAME])
+    return list(
+        config.served_model_name or [engine.engine.config.model.model or DEFAULT_MODEL_NAME]
+    )
 
 
 @dataclass
@@ -38,13 +40,26 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
     # tokenizer is not safe to call from several threads at once.
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer"))
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+    )
 
     @classmethod
-    def build(cls, engine: AsyncEngine, config: ServerConfig, on_reject: Callable[[str], None] | None = None) -> "ServerState":
+    def build(
+        cls,
+        engine: AsyncEngine,
+        config: ServerConfig,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> "ServerState":
         # The engine thread detokenizes with its own copy; this one is the frontend's.
         tokenizer = copy.deepcopy(engine.engine.tokenizer)
-        return cls(engine, config, served_model_names(engine, config), tokenizer, Gate(config.max_waiting_requests, on_reject))
+        return cls(
+            engine,
+            config,
+            served_model_names(engine, config),
+            tokenizer,
+            Gate(config.max_waiting_requests, on_reject),
+        )
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -70,12 +85,19 @@ class ServerState:
         return requested
 
     async def generate(
-        self, request: Request, prompt: str | list[int], params: SamplingParams, request_id: str, prompt_token_ids: list[int]
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_token_ids: list[int],
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; the first one ends the HTTP request's wait in
         the admission gate's queue."""
         ticket = request.scope["state"]["ticket"]
-        async with aclosing(self.engine.generate(prompt, params, request_id, prompt_token_ids)) as outputs:
+        async with aclosing(
+            self.engine.generate(prompt, params, request_id, prompt_token_ids)
+        ) as outputs:
             if not ticket.started:  # (a sibling of a multi-prompt request may have started it)
                 first = await self._first_output(outputs)
                 ticket.start()
@@ -86,11 +108,17 @@ class ServerState:
     async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         limit = self.config.max_queue_time
         try:
-            return await asyncio.wait_for(anext(outputs), limit)  # a timeout cancels it: the request is aborted
+            return await asyncio.wait_for(
+                anext(outputs), limit
+            )  # a timeout cancels it: the request is aborted
         except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
             self.gate.reject("queue_timeout")
-            raise APIError(503, f"no token within this server's limit of {limit:g} s (--max-queue-time)",
-                           type="service_unavailable", code="queue_timeout") from None
+            raise APIError(
+                503,
+                f"no token within this server's limit of {limit:g} s (--max-queue-time)",
+                type="service_unavailable",
+                code="queue_timeout",
+            ) from None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -16,8 +16,15 @@ from kernels.attention.backend import AttentionBackend, AttentionMetadata
 from kernels.attention.torch_ref import TorchReferenceBackend
 
 
-def random_step(gen: torch.Generator, rng: random.Random, shapes: list[tuple[int, int]], block_size: int, heads: int,
-                kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+def random_step(
+    gen: torch.Generator,
+    rng: random.Random,
+    shapes: list[tuple[int, int]],
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One step over requests of (context_len, query_len): the cache holds every request's
     earlier tokens in shuffled blocks; q, k, v are the step's new rows."""
     tables = []
@@ -35,16 +42,21 @@ def random_step(gen: torch.Generator, rng: random.Random, shapes: list[tuple[int
     slots, cu = [], [0]
     for i, ((ctx, q_len), table) in enumerate(zip(shapes, tables)):
         table_tensor[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)
+        ]
         cu.append(cu[-1] + q_len)
     tokens = cu[-1]
     q = torch.randn(tokens, heads, dim, generator=gen)
     k = torch.randn(tokens, kv_heads, dim, generator=gen)
     v = torch.randn(tokens, kv_heads, dim, generator=gen)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=table_tensor, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        block_tables=table_tensor,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         seqlens_k=torch.tensor([ctx for ctx, _ in shapes], dtype=torch.int32),
-        query_lens=[q_len for _, q_len in shapes], context_lens=[ctx for ctx, _ in shapes],
+        query_lens=[q_len for _, q_len in shapes],
+        context_lens=[ctx for ctx, _ in shapes],
     )
     return q, k, v, torch.stack([k_cache, v_cache]), meta
 
@@ -75,8 +87,12 @@ def check_against_reference(
     q, k, v, caches, meta = random_step(gen, rng, shapes, block_size, heads, kv_heads, dim)
     q, k, v, caches = (t.to(device, dtype) for t in (q, k, v, caches))
     meta = AttentionMetadata(
-        meta.slot_mapping.to(device), meta.block_tables.to(device), meta.cu_seqlens_q.to(device),
-        meta.seqlens_k.to(device), meta.query_lens, meta.context_lens,
+        meta.slot_mapping.to(device),
+        meta.block_tables.to(device),
+        meta.cu_seqlens_q.to(device),
+        meta.seqlens_k.to(device),
+        meta.query_lens,
+        meta.context_lens,
     )
     scale = dim**-0.5
     want_caches, got_caches = caches.clone(), caches.clone()
@@ -84,4 +100,6 @@ def check_against_reference(
     meta.backend_plan = None
     got = make_backend().forward(q, k, v, got_caches[0], got_caches[1], meta, scale)
     assert torch.equal(got_caches, want_caches)  # the new tokens were stored alike
-    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
+    torch.testing.assert_close(
+        got, want, atol=atol, rtol=1e-5 if dtype == torch.float32 else 1.6e-2
+    )

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import engine.model_loader  # noqa: E402
 from tests.models import build_random_model  # noqa: E402
 
+
 # The oracle of the token-exact tests is transformers in float32, so the suite runs in float32
 # wherever it does not name a dtype, also on a CPU where `--dtype auto` would pick bfloat16 (that
 # choice is tested on its own in test_config.py): in this process, and in the servers it starts.
@@ -21,7 +22,9 @@ def _float32_suite() -> bool:
     return False
 
 
-_float32_suite.__wrapped__ = engine.model_loader.cpu_multiplies_bf16  # the real probe, for its own test
+_float32_suite.__wrapped__ = (
+    engine.model_loader.cpu_multiplies_bf16
+)  # the real probe, for its own test
 engine.model_loader.cpu_multiplies_bf16 = _float32_suite
 os.environ["PAGEDSERVE_DTYPE"] = "float32"
 
@@ -90,7 +93,9 @@ def server(default_engine, engine_metrics):
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
-    running = RunningServer(default_engine, ServerConfig(served_model_name=SERVED_NAMES), engine_metrics)
+    running = RunningServer(
+        default_engine, ServerConfig(served_model_name=SERVED_NAMES), engine_metrics
+    )
     yield running
     running.stop()
 
@@ -112,5 +117,7 @@ def client(server):
     """The official OpenAI client pointed at the test server."""
     import openai
 
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c

@@ -18,13 +18,23 @@ import types
 import torch
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seqlen_k: int,
-            scale: float, causal: bool) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seqlen_k: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
     """One sequence: q [Lq, heads, dim] against its first `seqlen_k` keys found through `table`."""
     page = k_cache.shape[1]
     pos = torch.arange(seqlen_k, device=q.device)
     blocks = table.long()[pos // page]
-    keys, values = k_cache[blocks, pos % page].float(), v_cache[blocks, pos % page].float()  # [Lk, kv_heads, dim]
+    keys, values = (
+        k_cache[blocks, pos % page].float(),
+        v_cache[blocks, pos % page].float(),
+    )  # [Lk, kv_heads, dim]
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
@@ -34,16 +44,35 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
 
 
-def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, batch: int) -> None:
+def _check_paged(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, batch: int
+) -> None:
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert table.dtype == torch.int32 and table.shape[0] == batch and table.stride(-1) == 1
 
 
-def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-               return_attn_probs=False, block_table=None):
-    assert block_table is not None and k.shape[1] % 256 == 0, "page_block_size must be a multiple of 256"
+def fa2_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    assert block_table is not None and k.shape[1] % 256 == 0, (
+        "page_block_size must be a multiple of 256"
+    )
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
     batch = cu_seqlens_q.shape[0] - 1
     assert cu_seqlens_k.shape == (batch + 1,)
@@ -60,27 +89,74 @@ def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     return out
 
 
-def fa2_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                     return_softmax_lse=False):
+def fa2_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     assert q.dim() == 4, "q: (batch_size, seqlen, nheads, headdim)"
     assert k is None and v is None  # the backends store K/V themselves
-    assert block_table is not None and k_cache.shape[1] % 256 == 0, "page_block_size must be a multiple of 256"
+    assert block_table is not None and k_cache.shape[1] % 256 == 0, (
+        "page_block_size must be a multiple of 256"
+    )
     assert isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
     _check_paged(k_cache, v_cache, block_table, q.shape[0])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out = torch.stack([_attend(q[i], k_cache, v_cache, block_table[i], int(cache_seqlens[i]), scale, causal)
-                       for i in range(q.shape[0])])
+    out = torch.stack(
+        [
+            _attend(q[i], k_cache, v_cache, block_table[i], int(cache_seqlens[i]), scale, causal)
+            for i in range(q.shape[0])
+        ]
+    )
     return out
 
 
-def fa4_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-               seqused_k=None, page_table=None, softmax_scale=None, causal=False, window_size=(None, None),
-               learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, score_mod=None,
-               mask_mod=None, block_sparse_tensors=None, cu_total_m_blocks=None, cu_total_n_blocks=None,
-               aux_tensors=None, return_lse=False):
-    assert page_table is not None and cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
+def fa4_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    page_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    learnable_sink=None,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    score_mod=None,
+    mask_mod=None,
+    block_sparse_tensors=None,
+    cu_total_m_blocks=None,
+    cu_total_n_blocks=None,
+    aux_tensors=None,
+    return_lse=False,
+):
+    assert page_table is not None and cu_seqlens_k is None, (
+        "page_table is not supported with cu_seqlens_k"
+    )
     batch = cu_seqlens_q.shape[0] - 1
     for t in (cu_seqlens_q, seqused_k):
         assert t.dtype == torch.int32 and t.stride(0) == 1 and t.shape[0] in (batch, batch + 1)
@@ -103,5 +179,10 @@ def install(monkeypatch) -> None:
     fa2.cute = cute
     monkeypatch.setitem(sys.modules, "flash_attn", fa2)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
-    for backend in ("kernels.attention.flash_attn_backend", "kernels.attention.flash_attn4_backend"):
-        monkeypatch.delitem(sys.modules, backend, raising=False)  # imported afresh, against the stand-in
+    for backend in (
+        "kernels.attention.flash_attn_backend",
+        "kernels.attention.flash_attn4_backend",
+    ):
+        monkeypatch.delitem(
+            sys.modules, backend, raising=False
+        )  # imported afresh, against the stand-in

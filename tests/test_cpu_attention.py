@@ -47,14 +47,25 @@ def test_kernel_skips_the_chunks_left_to_sdpa() -> None:
     the reference's) and leaves the longer chunks' rows as they were; with no limit it covers
     long chunks too."""
     gen, rng = torch.Generator().manual_seed(3), random.Random(3)
-    q, k, v, caches, meta = random_step(gen, rng, [(300, 1), (150, 70), (40, 17), (129, 129)], 16, 9, 3, 64)
+    q, k, v, caches, meta = random_step(
+        gen, rng, [(300, 1), (150, 70), (40, 17), (129, 129)], 16, 9, 3, 64
+    )
     want = TorchReferenceBackend().forward(q, k, v, caches[0], caches[1], meta, 0.125)
     long_rows = torch.zeros(len(q), dtype=torch.bool)
     long_rows[1:71] = long_rows[88:] = True
     for limit in (32, 2**31 - 1):
         out = torch.full_like(q, float("nan"))
-        paged_attention(out, q, caches[0], caches[1], meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, 0.125,
-                        limit)
+        paged_attention(
+            out,
+            q,
+            caches[0],
+            caches[1],
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seqlens_k,
+            0.125,
+            limit,
+        )
         written = ~long_rows if limit == 32 else torch.ones_like(long_rows)
         assert out[~written].isnan().all()
         torch.testing.assert_close(out[written], want[written], atol=2e-5, rtol=1e-5)
@@ -73,8 +84,14 @@ def test_engine_greedy_tokens_equal_the_reference_backend_and_transformers(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=prefix_len)][5::-1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    settings = {"max_num_batched_tokens": budget, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128,
-                "max_num_seqs": 6, "dtype": "float32"}
+    settings = {
+        "max_num_batched_tokens": budget,
+        "num_kv_blocks": 12,
+        "block_size": 16,
+        "max_model_len": 128,
+        "max_num_seqs": 6,
+        "dtype": "float32",
+    }
     outputs = {}
     for backend in ("torch", "cpu"):
         llm = LLM(str(model_dir), attention_backend=backend, **settings)

@@ -33,11 +33,17 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
     if exact:
         assert torch.equal(got, want)
     else:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol={torch.float32: 2e-6, torch.bfloat16: 8e-3,
-                                                                torch.float16: 1e-3}[want.dtype])
+        torch.testing.assert_close(
+            got,
+            want,
+            atol=1e-5,
+            rtol={torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[want.dtype],
+        )
 
 
-def sample(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def sample(
+    gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0
+) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
@@ -49,12 +55,16 @@ def test_rms_norm_and_add_rms_norm(dtype: torch.dtype, width: int) -> None:
     weight = sample(gen, width, dtype=dtype)
     # The float32 sum of squares is added in another order than torch's mean: the last bit of
     # the scale may differ, and with it a float32 result's; rounded to bf16/fp16 it rarely shows.
-    assert_matches(fused_ops.rms_norm(x, weight, 1e-6), eager_rms_norm(x, weight, 1e-6), exact=False)
+    assert_matches(
+        fused_ops.rms_norm(x, weight, 1e-6), eager_rms_norm(x, weight, 1e-6), exact=False
+    )
     normed, summed = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(summed, residual + x)  # the same rounding as torch's add
     assert_matches(normed, eager_rms_norm(residual + x, weight, 1e-6), exact=False)
     strided = torch.cat([x, x], dim=1)[:, :width]  # rows apart by 2 * width
-    assert torch.equal(fused_ops.rms_norm(strided, weight, 1e-6), fused_ops.rms_norm(x, weight, 1e-6))
+    assert torch.equal(
+        fused_ops.rms_norm(strided, weight, 1e-6), fused_ops.rms_norm(x, weight, 1e-6)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,14 +111,24 @@ def test_bad_inputs_are_refused() -> None:
 
 
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "qwen3_dir"])
-def test_engine_tokens_with_fused_ops_equal_eager_and_transformers(model_fixture: str, request) -> None:
+def test_engine_tokens_with_fused_ops_equal_eager_and_transformers(
+    model_fixture: str, request
+) -> None:
     """float32: greedy tokens equal the eager engine's and transformers'; bfloat16: tokens and
     logprobs equal the eager engine's. Chunked and prefix-cached."""
     model_dir: Path = request.getfixturevalue(model_fixture)
-    prompts = [p[:60] for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(model_dir), prefix_len=40)][:5]
+    prompts = [
+        p[:60]
+        for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(model_dir), prefix_len=40)
+    ][:5]
     settings = {"max_num_batched_tokens": 64, "num_kv_blocks": 64, "max_model_len": 128}
     for dtype in ("float32", "bfloat16"):
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2 if dtype == "bfloat16" else None)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            logprobs=2 if dtype == "bfloat16" else None,
+        )
         outputs = {}
         for eager in (True, False):
             llm = LLM(str(model_dir), dtype=dtype, enforce_eager=eager, **settings)

@@ -34,8 +34,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def minor_faults(mode: str) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return int(result.stdout.split()[-1])
 
 

@@ -34,12 +34,21 @@ def test_engine_tokens_equal_with_packed_weights(model_fixture: str, request) ->
     model_dir: Path = request.getfixturevalue(model_fixture)
     from transformers import AutoTokenizer
 
-    prompts = [p[:60] for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(model_dir), prefix_len=40)][:5]
+    prompts = [
+        p[:60]
+        for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(model_dir), prefix_len=40)
+    ][:5]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = {}
     for eager in (True, False):
-        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=32,
-                  num_kv_blocks=64, max_model_len=128)
+        llm = LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            enforce_eager=eager,
+            max_num_batched_tokens=32,
+            num_kv_blocks=64,
+            max_model_len=128,
+        )
         mlp = llm.engine.executor.runner.model.layers[0].mlp
         assert (mlp.gate_up_proj.packed is None) == eager
         assert (mlp.gate_up_proj.weight is None) != eager  # the unpacked copy is dropped

@@ -24,8 +24,13 @@ def test_graph_sizes_climb_the_ladder_to_max_num_seqs() -> None:
 
 def test_pad_decode_adds_requests_that_store_nothing() -> None:
     batch = HostBatch(
-        input_ids=[5, 6, 7], positions=[9, 0, 40], slots=[25, 32, 104], query_lens=[1, 1, 1], context_lens=[10, 1, 41],
-        block_tables=torch.tensor([[1, 2, 0], [4, 0, 0], [3, 5, 6]], dtype=torch.int32), logits_indices=[0, 1, 2],
+        input_ids=[5, 6, 7],
+        positions=[9, 0, 40],
+        slots=[25, 32, 104],
+        query_lens=[1, 1, 1],
+        context_lens=[10, 1, 41],
+        block_tables=torch.tensor([[1, 2, 0], [4, 0, 0], [3, 5, 6]], dtype=torch.int32),
+        logits_indices=[0, 1, 2],
         block_copies=[(2, 7)],
     )
     padded = pad_decode(batch, 8, 5)
@@ -34,12 +39,19 @@ def test_pad_decode_adds_requests_that_store_nothing() -> None:
     assert padded.query_lens == [1] * 8 and padded.context_lens == [10, 1, 41] + [1] * 5
     assert padded.block_tables.shape == (8, 5) and padded.block_tables.dtype == torch.int32
     assert padded.block_tables[:3, :3].tolist() == batch.block_tables.tolist()
-    assert int(padded.block_tables[3:].abs().sum()) == 0 and int(padded.block_tables[:, 3:].abs().sum()) == 0
+    assert (
+        int(padded.block_tables[3:].abs().sum()) == 0
+        and int(padded.block_tables[:, 3:].abs().sum()) == 0
+    )
     assert padded.logits_indices == [0, 1, 2] and padded.block_copies == [(2, 7)]
 
 
-@pytest.mark.parametrize(("model_fixture", "backend"), [("llama_dir", "torch"), ("qwen3_dir", "triton")])
-def test_padded_decode_steps_give_the_same_tokens(model_fixture: str, backend: str, request) -> None:
+@pytest.mark.parametrize(
+    ("model_fixture", "backend"), [("llama_dir", "torch"), ("qwen3_dir", "triton")]
+)
+def test_padded_decode_steps_give_the_same_tokens(
+    model_fixture: str, backend: str, request
+) -> None:
     """Chunked, preempted and prefix-cached (as tests/test_triton_kernels.py runs them), with
     every decode step padded: 5 requests, so steps of 5, 4, 3... rows run as 6, 4, 4, ..."""
     model_dir = request.getfixturevalue(model_fixture)
@@ -47,16 +59,27 @@ def test_padded_decode_steps_give_the_same_tokens(model_fixture: str, backend: s
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:5]
     # The chosen tokens' logprobs too: greedy tokens of a small random model barely depend on
     # attention, its logprobs do (decode rows at position 0 would still pick the same tokens).
-    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=0) for i in range(5)]
-    settings = {"max_num_batched_tokens": 24, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128,
-                "max_num_seqs": 6, "attention_backend": backend}
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=0)
+        for i in range(5)
+    ]
+    settings = {
+        "max_num_batched_tokens": 24,
+        "num_kv_blocks": 12,
+        "block_size": 16,
+        "max_model_len": 128,
+        "max_num_seqs": 6,
+        "attention_backend": backend,
+    }
     plain = LLM(str(model_dir), **settings)
     want = plain.generate(prompts, params)
 
     llm = LLM(str(model_dir), **settings)
     runner = llm.engine.executor.runner
     assert runner.graphs is None  # no CUDA: decode runs eagerly unless told otherwise
-    graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, 6, 128 // 16, capture=False)
+    graphs = DecodeGraphs(
+        runner.model, runner.backend, runner.kv_caches, 6, 128 // 16, capture=False
+    )
     runner.graphs = graphs
     sizes: list[tuple[int, int]] = []
     run = graphs.run

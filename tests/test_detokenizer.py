@@ -29,7 +29,11 @@ TEXTS = [
 def _gpt2_byte_symbols() -> dict[int, str]:
     """The printable character byte-level BPE vocabularies use for each byte value: printable
     Latin-1 bytes stand for themselves, the others are shifted past 255 in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     symbols = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):
@@ -43,7 +47,9 @@ def _byte_token_ids(tokenizer, data: bytes) -> list[int]:
     """One single-byte token per byte, as a byte-level BPE emits for rare characters."""
     symbols = _gpt2_byte_symbols()
     ids = [tokenizer.convert_tokens_to_ids(symbols[b]) for b in data]
-    assert tokenizer.decode(ids) == data.decode("utf-8", errors="replace"), "not a byte-level vocabulary"
+    assert tokenizer.decode(ids) == data.decode("utf-8", errors="replace"), (
+        "not a byte-level vocabulary"
+    )
     return ids
 
 
@@ -138,9 +144,16 @@ def _sentencepiece_style_tokenizer():
         vocab[word] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_leading_space_kept_with_sentencepiece_style_decoding() -> None:
@@ -158,7 +171,9 @@ def test_leading_space_kept_with_sentencepiece_style_decoding() -> None:
 def test_engine_stream_deltas_add_up(llama_dir: Path) -> None:
     """Random weights sample arbitrary tokens, byte fragments included: the streamed deltas of
     every sample concatenate to its final text, which is the tokenizer's decode of its tokens."""
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=64, max_model_len=256))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=64, max_model_len=256)
+    )
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
     request_id = engine.add_request("Streaming 🎉 test: 日本", params)
     text_deltas = {0: "", 1: ""}
@@ -177,4 +192,6 @@ def test_engine_stream_deltas_add_up(llama_dir: Path) -> None:
         assert completion.finish_reason == "length" and len(completion.token_ids) == 24
         assert token_deltas[completion.index] == completion.token_ids
         assert text_deltas[completion.index] == completion.text
-        assert completion.text == engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.text == engine.tokenizer.decode(
+            completion.token_ids, skip_special_tokens=True
+        )

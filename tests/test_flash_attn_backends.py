@@ -20,8 +20,11 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The stand-in installed; the names of the kernel calls made, in order."""
     flash_attn_standin.install(monkeypatch)
     made: list[str] = []
-    for module, name in (("flash_attn", "flash_attn_varlen_func"), ("flash_attn", "flash_attn_with_kvcache"),
-                         ("flash_attn.cute", "flash_attn_varlen_func")):
+    for module, name in (
+        ("flash_attn", "flash_attn_varlen_func"),
+        ("flash_attn", "flash_attn_with_kvcache"),
+        ("flash_attn.cute", "flash_attn_varlen_func"),
+    ):
         original = getattr(sys.modules[module], name)
 
         def counted(*args, _original=original, _label=f"{module}.{name}", **kwargs):
@@ -34,9 +37,16 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize(("shapes", "kernel"), [(SHAPES, "flash_attn.flash_attn_varlen_func"),
-                                                (DECODES, "flash_attn.flash_attn_with_kvcache")])
-def test_flash_attn_2(calls: list[str], heads: int, kv_heads: int, dim: int, shapes, kernel: str) -> None:
+@pytest.mark.parametrize(
+    ("shapes", "kernel"),
+    [
+        (SHAPES, "flash_attn.flash_attn_varlen_func"),
+        (DECODES, "flash_attn.flash_attn_with_kvcache"),
+    ],
+)
+def test_flash_attn_2(
+    calls: list[str], heads: int, kv_heads: int, dim: int, shapes, kernel: str
+) -> None:
     """Blocks of 256: a step with prefill chunks takes the varlen call, an all-decode step the KV-cache call."""
     check_against_reference(lambda: build_backend("flash-attn"), heads, kv_heads, dim, 256, shapes)
     assert calls == [kernel]
@@ -47,7 +57,9 @@ def test_flash_attn_2(calls: list[str], heads: int, kv_heads: int, dim: int, sha
 @pytest.mark.parametrize("shapes", [SHAPES, DECODES])
 def test_flash_attn_4(calls: list[str], heads: int, kv_heads: int, block_size: int, shapes) -> None:
     """One varlen call with a page table and per-request key counts, whatever the step's mix."""
-    check_against_reference(lambda: build_backend("flash-attn-4"), heads, kv_heads, 128, block_size, shapes)
+    check_against_reference(
+        lambda: build_backend("flash-attn-4"), heads, kv_heads, 128, block_size, shapes
+    )
     assert calls == ["flash_attn.cute.flash_attn_varlen_func"]
 
 

@@ -33,8 +33,14 @@ BACKEND_CASES = [  # (backend, dtype, block sizes)
 @pytest.mark.parametrize(("backend", "dtype", "block_sizes"), BACKEND_CASES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_backend_matches_reference(backend: str, dtype: torch.dtype, block_sizes: tuple[int, ...], heads: int,
-                                   kv_heads: int, dim: int) -> None:
+def test_backend_matches_reference(
+    backend: str,
+    dtype: torch.dtype,
+    block_sizes: tuple[int, ...],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+) -> None:
     try:
         choose(backend, Platform.detect("cuda", dtype, dim), block_sizes[0])
     except ConfigError as exc:
@@ -42,14 +48,25 @@ def test_backend_matches_reference(backend: str, dtype: torch.dtype, block_sizes
     atol = 2e-5 if dtype == torch.float32 else 2e-2
     for block_size in block_sizes:
         for shapes in (SHAPES, DECODES):
-            check_against_reference(lambda: build_backend(backend), heads, kv_heads, dim, block_size, shapes,
-                                    device="cuda", dtype=dtype, atol=atol)
+            check_against_reference(
+                lambda: build_backend(backend),
+                heads,
+                kv_heads,
+                dim,
+                block_size,
+                shapes,
+                device="cuda",
+                dtype=dtype,
+                atol=atol,
+            )
 
 
 def _prompts(folder: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    return [p[:90] for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(folder), prefix_len=40)][:6]
+    return [
+        p[:90] for p in shared_prefix_prompts(AutoTokenizer.from_pretrained(folder), prefix_len=40)
+    ][:6]
 
 
 def _release() -> None:
@@ -63,7 +80,9 @@ def test_greedy_tokens_equal_transformers(llama_dir: Path) -> None:
     prompts = _prompts(llama_dir)
     want = hf_greedy(llama_dir, prompts, 24, device="cuda")
     _release()
-    llm = LLM(str(llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=64, num_kv_blocks=64)
+    llm = LLM(
+        str(llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=64, num_kv_blocks=64
+    )
     assert llm.engine.executor.runner.graphs is not None
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == want
@@ -73,10 +92,20 @@ def test_greedy_tokens_equal_transformers(llama_dir: Path) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_replay_what_eager_decode_computes(llama_dir: Path, dtype: str) -> None:
     prompts = _prompts(llama_dir)
-    params = [SamplingParams(temperature=0, max_tokens=10 + 5 * i, ignore_eos=True, logprobs=0) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10 + 5 * i, ignore_eos=True, logprobs=0)
+        for i in range(len(prompts))
+    ]
     results = {}
     for eager in (True, False):
-        llm = LLM(str(llama_dir), device="cuda", dtype=dtype, enforce_eager=eager, num_kv_blocks=64, max_num_seqs=8)
+        llm = LLM(
+            str(llama_dir),
+            device="cuda",
+            dtype=dtype,
+            enforce_eager=eager,
+            num_kv_blocks=64,
+            max_num_seqs=8,
+        )
         runner = llm.engine.executor.runner
         assert (runner.graphs is None) == eager
         if not eager:
@@ -101,7 +130,9 @@ def test_kv_pool_follows_gpu_memory_utilization(llama_dir: Path) -> None:
         blocks[share] = llm.engine.kv.pool.num_blocks
         reserved = torch.cuda.memory_reserved()
         assert reserved <= share * total, (reserved, share * total)
-        out = llm.generate(_prompts(llama_dir)[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        out = llm.generate(
+            _prompts(llama_dir)[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
         assert all(len(o.outputs[0].token_ids) == 8 for o in out)
         del llm, out
     _release()

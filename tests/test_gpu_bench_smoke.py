@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_bench_tiny_runs_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "gpu_bench.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_bench.py", "--tiny", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_bench.py", "--tiny", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert {"meta", "environment", "models", "stages", "workload", "markdown"} <= report.keys()
@@ -40,7 +45,10 @@ def test_gpu_bench_tiny_runs_every_stage(tmp_path: Path) -> None:
     assert report["models"]["qwen3-0.6b"]["bandwidth"]["bytes_per_s"] > 0
     markdown = out.with_suffix(".md").read_text()
     assert markdown == report["markdown"] and markdown in proc.stdout
-    assert "| model | system | requests | out tok/s |" in markdown and "| batch | mean context |" in markdown
+    assert (
+        "| model | system | requests | out tok/s |" in markdown
+        and "| batch | mean context |" in markdown
+    )
 
 
 def test_gpu_check_script_parses() -> None:

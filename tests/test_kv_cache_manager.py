@@ -27,7 +27,9 @@ from tests.models import finish_all
 ALPHABET = st.integers(0, 2)  # few distinct tokens, so prefixes repeat and the cache hits
 
 
-def make_request(request_id: str, tokens: list[int], params: SamplingParams | None = None) -> Request:
+def make_request(
+    request_id: str, tokens: list[int], params: SamplingParams | None = None
+) -> Request:
     return Request(request_id, request_id, 0, list(tokens), params or SamplingParams(), 0.0)
 
 
@@ -40,8 +42,12 @@ class Sim:
         self.bs = block_size
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.live: dict[str, Request] = {}  # sequences holding blocks
-        self.waiting: list[Request] = []  # never admitted, or preempted: no blocks, nothing computed
-        self.history: list[list[int]] = []  # every token list seen, to build prompts that share prefixes
+        self.waiting: list[
+            Request
+        ] = []  # never admitted, or preempted: no blocks, nothing computed
+        self.history: list[
+            list[int]
+        ] = []  # every token list seen, to build prompts that share prefixes
         self._ids = itertools.count()
         self.num_hit_blocks = 0
         self.num_copies = 0
@@ -119,7 +125,9 @@ class Sim:
         self.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         assert self.kv.tables[child.request_id] == self.kv.tables[parent.request_id]
-        assert [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[child.request_id]] == [r + 1 for r in refs]
+        assert [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[child.request_id]] == [
+            r + 1 for r in refs
+        ]
         self.live[child.request_id] = child
 
     def free(self, req: Request) -> None:
@@ -149,8 +157,12 @@ class Sim:
         for req in self.live.values():
             table = self.kv.tables[req.request_id]
             assert len(table) == -(-req.num_computed_tokens // self.bs)
-            seen = [self.slots[table[p // self.bs]][p % self.bs] for p in range(req.num_computed_tokens)]
-            assert seen == req.all_token_ids[: req.num_computed_tokens], f"{req.request_id} reads wrong K/V"
+            seen = [
+                self.slots[table[p // self.bs]][p % self.bs] for p in range(req.num_computed_tokens)
+            ]
+            assert seen == req.all_token_ids[: req.num_computed_tokens], (
+                f"{req.request_id} reads wrong K/V"
+            )
         for req in self.waiting:
             assert req.num_computed_tokens == 0 and not self.kv.block_table(req)
 
@@ -167,12 +179,27 @@ def test_random_operations_keep_tables_pool_and_contents_consistent(
 ) -> None:
     sim = Sim(num_blocks, block_size, caching)
     # Appends and forks are listed twice: together they make the copies-on-write.
-    ops = ["new", "new_shared", "admit_waiting", "compute", "append", "append", "fork", "fork", "free", "preempt"]
+    ops = [
+        "new",
+        "new_shared",
+        "admit_waiting",
+        "compute",
+        "append",
+        "append",
+        "fork",
+        "fork",
+        "free",
+        "preempt",
+    ]
     for _ in range(data.draw(st.integers(1, 40))):
         op = data.draw(st.sampled_from(ops))
         live = sorted(sim.live)
-        done = [sim.live[r] for r in live if sim.live[r].num_computed_tokens == sim.live[r].num_tokens]
-        todo = [sim.live[r] for r in live if sim.live[r].num_computed_tokens < sim.live[r].num_tokens]
+        done = [
+            sim.live[r] for r in live if sim.live[r].num_computed_tokens == sim.live[r].num_tokens
+        ]
+        todo = [
+            sim.live[r] for r in live if sim.live[r].num_computed_tokens < sim.live[r].num_tokens
+        ]
         if op == "new" or (op == "new_shared" and not sim.history):
             tokens = data.draw(st.lists(ALPHABET, min_size=1, max_size=12))
             sim.admit(sim.new_request(tokens), data.draw(st.integers(1, 12)))
@@ -297,7 +324,9 @@ def test_no_hits_when_caching_is_off_or_prompt_logprobs_are_wanted() -> None:
 # ----------------------------------------------------------------- forks and copy-on-write
 
 
-def forked_pair(prompt_len: int, num_blocks: int = 8, block_size: int = 4) -> tuple[KVCacheManager, Request, Request]:
+def forked_pair(
+    prompt_len: int, num_blocks: int = 8, block_size: int = 4
+) -> tuple[KVCacheManager, Request, Request]:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
     parent = make_request("p", list(range(prompt_len)))
     assert kv.allocate_slots(parent, prompt_len)
@@ -390,8 +419,12 @@ BLOCK = 16
 def make_engine(model_dir: Path, caching: bool) -> LLMEngine:
     # A budget large enough for a whole prompt in one step, so tables can be read after it.
     return LLM(
-        model=str(model_dir), block_size=BLOCK, num_kv_blocks=32, max_model_len=256,
-        max_num_batched_tokens=256, enable_prefix_caching=caching,
+        model=str(model_dir),
+        block_size=BLOCK,
+        num_kv_blocks=32,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=caching,
     ).engine
 
 
@@ -404,7 +437,11 @@ def prefill(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tup
 
 def prompt_kv(engine: LLMEngine, table: list[int], length: int) -> list[torch.Tensor]:
     """Every layer's K and V for the first `length` positions, read through a block table."""
-    return [cache[table].flatten(0, 1)[:length].clone() for layer in engine.executor.runner.kv_caches for cache in layer]
+    return [
+        cache[table].flatten(0, 1)[:length].clone()
+        for layer in engine.executor.runner.kv_caches
+        for cache in layer
+    ]
 
 
 def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Path) -> None:

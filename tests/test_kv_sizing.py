@@ -34,11 +34,25 @@ class FixedProbe:
 
 def test_settings_precedence() -> None:
     per_block = 2**20
-    assert fixed_pool_blocks(EngineConfig.from_kwargs(num_kv_blocks=7, kv_cache_memory_gib=2), per_block, True) == 7
-    assert fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=2), per_block, True) == 2048
-    assert fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=False) == 1024  # 1 GiB on a CPU
-    assert fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=True) is None  # profile the GPU
-    assert fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=0.001), per_block, False) == 1
+    assert (
+        fixed_pool_blocks(
+            EngineConfig.from_kwargs(num_kv_blocks=7, kv_cache_memory_gib=2), per_block, True
+        )
+        == 7
+    )
+    assert (
+        fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=2), per_block, True) == 2048
+    )
+    assert (
+        fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=False) == 1024
+    )  # 1 GiB on a CPU
+    assert (
+        fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=True) is None
+    )  # profile the GPU
+    assert (
+        fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=0.001), per_block, False)
+        == 1
+    )
 
 
 def test_budget_is_the_allowed_share_less_what_is_used_and_the_step_peak() -> None:
@@ -47,15 +61,21 @@ def test_budget_is_the_allowed_share_less_what_is_used_and_the_step_peak() -> No
     assert kv_budget_bytes(reading, 0.05) < 0
 
 
-@pytest.mark.parametrize(("tokens", "seqs", "max_len", "block"), [(2048, 64, 4096, 16), (100, 256, 4096, 256),
-                                                                  (8192, 4, 1024, 128), (7, 3, 64, 16)])
-def test_profile_batch_is_the_heaviest_step(tokens: int, seqs: int, max_len: int, block: int) -> None:
+@pytest.mark.parametrize(
+    ("tokens", "seqs", "max_len", "block"),
+    [(2048, 64, 4096, 16), (100, 256, 4096, 256), (8192, 4, 1024, 128), (7, 3, 64, 16)],
+)
+def test_profile_batch_is_the_heaviest_step(
+    tokens: int, seqs: int, max_len: int, block: int
+) -> None:
     batch = profile_batch(tokens, seqs, max_len, block)
     n = len(batch.query_lens)
     assert sum(batch.query_lens) == min(tokens, seqs * max_len) and n <= seqs
     assert max(batch.query_lens) <= max_len and batch.context_lens == batch.query_lens
     assert batch.slots == [-1] * sum(batch.query_lens)  # stores nothing
-    assert int(batch.block_tables.abs().sum()) == 0 and batch.block_tables.shape[1] * block >= max(batch.query_lens)
+    assert int(batch.block_tables.abs().sum()) == 0 and batch.block_tables.shape[1] * block >= max(
+        batch.query_lens
+    )
     starts = [sum(batch.query_lens[:i]) for i in range(n)]
     assert batch.positions == [p for q in batch.query_lens for p in range(q)]
     assert batch.logits_indices == [s + q - 1 for s, q in zip(starts, batch.query_lens)]
@@ -63,8 +83,14 @@ def test_profile_batch_is_the_heaviest_step(tokens: int, seqs: int, max_len: int
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_profiled_sizing_runs_the_step_on_the_scratch_cache(qwen3_dir: Path, backend: str) -> None:
-    config = EngineConfig.from_kwargs(model=str(qwen3_dir), max_num_batched_tokens=300, max_num_seqs=8,
-                                      block_size=16, attention_backend=backend, gpu_memory_utilization=0.5)
+    config = EngineConfig.from_kwargs(
+        model=str(qwen3_dir),
+        max_num_batched_tokens=300,
+        max_num_seqs=8,
+        block_size=16,
+        attention_backend=backend,
+        gpu_memory_utilization=0.5,
+    )
     executor = LocalExecutor(config, max_model_len=1024)
     assert executor.runner.kv_caches[0][0].shape[0] == 1  # the one-block scratch cache
     before = [c.clone() for pair in executor.runner.kv_caches for c in pair]
@@ -92,7 +118,11 @@ def test_no_room_left_is_a_config_error_naming_the_flags() -> None:
     with pytest.raises(ConfigError) as info:
         profiled_pool_blocks(config, 2**20, 1024, lambda batch: None, probe)
     message = str(info.value)
-    for words in ("14.00 GiB is in use", "4096-token step needs 1.00 GiB", "--gpu-memory-utilization 0.9",
-                  "--max-num-batched-tokens", "--num-kv-blocks"):
+    for words in (
+        "14.00 GiB is in use",
+        "4096-token step needs 1.00 GiB",
+        "--gpu-memory-utilization 0.9",
+        "--max-num-batched-tokens",
+        "--num-kv-blocks",
+    ):
         assert words in message
-

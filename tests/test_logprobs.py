@@ -29,7 +29,9 @@ class Reference:
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         self.model.eval()
-        self._last: tuple[list[int], torch.Tensor] | None = None  # rows are [tokens, 150k]: keep one
+        self._last: tuple[list[int], torch.Tensor] | None = (
+            None  # rows are [tokens, 150k]: keep one
+        )
 
     @torch.no_grad()
     def logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -40,7 +42,9 @@ class Reference:
         return self._last[1]
 
 
-def assert_position(reported: PositionLogprobs | None, expected_row: torch.Tensor, token: int, top_n: int) -> None:
+def assert_position(
+    reported: PositionLogprobs | None, expected_row: torch.Tensor, token: int, top_n: int
+) -> None:
     """The chosen token first, then the `top_n` most likely tokens in rank order (the chosen
     token is not repeated when it is one of them), each with transformers' logprob."""
     assert reported is not None
@@ -99,8 +103,14 @@ def llm(qwen3_dir: Path) -> LLM:
 @pytest.fixture(scope="module")
 def chunked_llm(qwen3_dir: Path) -> LLM:
     """Prompts of ~50 tokens take several steps; full blocks go into the prefix cache."""
-    return LLM(str(qwen3_dir), max_model_len=256, num_kv_blocks=64, block_size=16,
-               max_num_batched_tokens=16, enable_prefix_caching=True)
+    return LLM(
+        str(qwen3_dir),
+        max_model_len=256,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
 
 
 def test_greedy_logprobs_match_transformers(llm: LLM, ref: Reference) -> None:
@@ -120,12 +130,16 @@ def test_sampled_and_zero_logprobs_in_one_batch(llm: LLM, ref: Reference) -> Non
     """A sampled token is often outside the top 5: it comes first, then the full top 5.
     logprobs=0 reports the chosen token alone. Logprobs are those of the raw distribution,
     before temperature and top-k."""
-    sampled = SamplingParams(temperature=1.5, top_k=1000, seed=5, logprobs=5, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(
+        temperature=1.5, top_k=1000, seed=5, logprobs=5, max_tokens=6, ignore_eos=True
+    )
     alone = SamplingParams(temperature=0, logprobs=0, max_tokens=6, ignore_eos=True)
     pair = SamplingParams(temperature=1.0, n=2, seed=11, logprobs=2, max_tokens=4, ignore_eos=True)
     outs = llm.generate(["Tell me a story", "Numbers: 1 2 3", "Why"], [sampled, alone, pair])
     check_sample_logprobs(outs[0], ref, top_n=5)
-    assert any(len(position) == 6 for position in outs[0].outputs[0].logprobs)  # a token outside the top 5
+    assert any(
+        len(position) == 6 for position in outs[0].outputs[0].logprobs
+    )  # a token outside the top 5
     check_sample_logprobs(outs[1], ref, top_n=0)
     assert len(outs[2].outputs) == 2
     check_sample_logprobs(outs[2], ref, top_n=2)
@@ -144,9 +158,13 @@ def test_prompt_logprobs_match_transformers(llm: LLM, ref: Reference) -> None:
 def test_prompt_and_sample_logprobs_across_prefill_chunks(chunked_llm: LLM, ref: Reference) -> None:
     prompt_ids = chunked_llm.tokenizer(LONG_PROMPT).input_ids
     assert len(prompt_ids) >= 40  # several 16-token chunks
-    params = SamplingParams(temperature=0, prompt_logprobs=3, logprobs=3, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, prompt_logprobs=3, logprobs=3, max_tokens=4, ignore_eos=True
+    )
     # Two long prompts share the 16-token budget: each one's chunks interleave with the other's.
-    other = "A different text entirely, which is also long enough to need a few chunks of prefill work"
+    other = (
+        "A different text entirely, which is also long enough to need a few chunks of prefill work"
+    )
     outs = chunked_llm.generate([LONG_PROMPT, other], params)
     for out in outs:
         check_prompt_logprobs(out, ref, top_n=3)
@@ -178,18 +196,24 @@ def test_prompt_logprobs_are_complete_with_prefix_caching(chunked_llm: LLM, ref:
     chunked_llm.engine.kv.check_consistency()
 
 
-def test_prompt_logprobs_survive_preemption_mid_prompt(qwen3_dir: Path, ref: Reference,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompt_logprobs_survive_preemption_mid_prompt(
+    qwen3_dir: Path, ref: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 7-block pool: a 90-token prompt (6 blocks) is preempted in its last prefill chunk when a
     short decoding request takes its second block; recomputed from scratch, it must neither lose
     nor duplicate the prompt logprobs gathered before."""
-    llm = LLM(str(qwen3_dir), max_model_len=96, num_kv_blocks=7, block_size=16, max_num_batched_tokens=16)
+    llm = LLM(
+        str(qwen3_dir), max_model_len=96, num_kv_blocks=7, block_size=16, max_num_batched_tokens=16
+    )
     scheduler = llm.engine.scheduler
     preempted_mid_prompt: list[tuple[int, int]] = []
     preempt = scheduler._preempt
 
     def record(request) -> None:
-        if request.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens:
+        if (
+            request.prompt_logprobs is not None
+            and request.num_computed_tokens < request.num_prompt_tokens
+        ):
             preempted_mid_prompt.append((request.num_computed_tokens, len(request.prompt_logprobs)))
         preempt(request)
 
@@ -198,11 +222,17 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(qwen3_dir: Path, ref: Ref
     short, long = ids[:14], ids[5:95]
     outs = llm.generate(
         [short, long],
-        [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-         SamplingParams(temperature=0, prompt_logprobs=3, logprobs=2, max_tokens=4, ignore_eos=True)],
+        [
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(
+                temperature=0, prompt_logprobs=3, logprobs=2, max_tokens=4, ignore_eos=True
+            ),
+        ],
     )
     # It was preempted with part of its prompt logprobs already gathered.
-    assert any(1 < gathered < len(long) for _, gathered in preempted_mid_prompt), preempted_mid_prompt
+    assert any(1 < gathered < len(long) for _, gathered in preempted_mid_prompt), (
+        preempted_mid_prompt
+    )
     check_prompt_logprobs(outs[1], ref, top_n=3)
     check_sample_logprobs(outs[1], ref, top_n=2)
     assert llm.engine.kv.pool.num_free == 7

@@ -33,7 +33,9 @@ def scrape(url: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get(("pagedserve:" + name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
+    return samples.get(
+        ("pagedserve:" + name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0
+    )
 
 
 def delta(before: Samples, after: Samples) -> Callable[..., float]:
@@ -51,7 +53,13 @@ def test_exact_counts_after_known_requests(server: RunningServer) -> None:
     wait_until_idle(server.engine)
     before = scrape(server.url)
     for prompt in batch:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     wait_until_idle(server.engine)
     after = scrape(server.url)
@@ -60,9 +68,15 @@ def test_exact_counts_after_known_requests(server: RunningServer) -> None:
     prompt_total = sum(len(p) for p in batch)
     assert d("prompt_tokens_total") == prompt_total
     assert d("generation_tokens_total") == n * max_tokens
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
-                 "request_generation_tokens"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert d(name + "_count") == n, name
     assert d("inter_token_latency_seconds_count") == n * (max_tokens - 1)
     assert d("request_prompt_tokens_sum") == prompt_total
@@ -85,14 +99,25 @@ def test_vllm_names_types_and_cache_info(server: RunningServer) -> None:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     expected = {
-        "kv_cache_usage_perc": "gauge", "num_requests_running": "gauge", "num_requests_waiting": "gauge",
-        "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
-        "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
-        "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
-        "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
-        "prompt_tokens": "counter", "generation_tokens": "counter", "num_preemptions": "counter",
-        "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "request_success": "counter",
-        "iteration_tokens_total": "histogram", "cache_config_info": "gauge",
+        "kv_cache_usage_perc": "gauge",
+        "num_requests_running": "gauge",
+        "num_requests_waiting": "gauge",
+        "time_to_first_token_seconds": "histogram",
+        "inter_token_latency_seconds": "histogram",
+        "e2e_request_latency_seconds": "histogram",
+        "request_queue_time_seconds": "histogram",
+        "request_prefill_time_seconds": "histogram",
+        "request_decode_time_seconds": "histogram",
+        "request_prompt_tokens": "histogram",
+        "request_generation_tokens": "histogram",
+        "prompt_tokens": "counter",
+        "generation_tokens": "counter",
+        "num_preemptions": "counter",
+        "prefix_cache_queries": "counter",
+        "prefix_cache_hits": "counter",
+        "request_success": "counter",
+        "iteration_tokens_total": "histogram",
+        "cache_config_info": "gauge",
     }
     for name, kind in expected.items():
         assert types.get("pagedserve:" + name) == kind, name
@@ -102,17 +127,27 @@ def test_vllm_names_types_and_cache_info(server: RunningServer) -> None:
     labels = dict(next(iter(info))[1])
     assert labels == {"block_size": "16", "num_gpu_blocks": "1024"}
     # vLLM's TTFT buckets, and token buckets 1-2-5 up to max_model_len (8192).
-    ttft_bounds = [dict(k[1])["le"] for k in samples if k[0] == "pagedserve:time_to_first_token_seconds_bucket"]
+    ttft_bounds = [
+        dict(k[1])["le"] for k in samples if k[0] == "pagedserve:time_to_first_token_seconds_bucket"
+    ]
     assert ttft_bounds[:3] == ["0.001", "0.005", "0.01"] and ttft_bounds[-2:] == ["2560.0", "+Inf"]
-    prompt_bounds = [dict(k[1])["le"] for k in samples if k[0] == "pagedserve:request_prompt_tokens_bucket"]
+    prompt_bounds = [
+        dict(k[1])["le"] for k in samples if k[0] == "pagedserve:request_prompt_tokens_bucket"
+    ]
     assert prompt_bounds[-3:] == ["2000.0", "5000.0", "+Inf"]
 
 
 def test_kv_usage_while_running_then_zero_and_aborts_counted(server: RunningServer) -> None:
     wait_until_idle(server.engine)
     before = scrape(server.url)
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count slowly:",
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def main() -> list[Samples]:
         seen: list[Samples] = []
@@ -128,12 +163,18 @@ def test_kv_usage_while_running_then_zero_and_aborts_counted(server: RunningServ
         return seen
 
     during = asyncio.run(main())
-    assert all(value(s, "kv_cache_usage_perc") > 0 and value(s, "num_requests_running") == 1 for s in during)
+    assert all(
+        value(s, "kv_cache_usage_perc") > 0 and value(s, "num_requests_running") == 1
+        for s in during
+    )
     state = wait_until_idle(server.engine)
     deadline = time.monotonic() + 10
     after = scrape(server.url)
-    while value(after, "request_success_total", finished_reason="abort") - value(before, "request_success_total",
-                                                                                  finished_reason="abort") < 3:
+    while (
+        value(after, "request_success_total", finished_reason="abort")
+        - value(before, "request_success_total", finished_reason="abort")
+        < 3
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
         after = scrape(server.url)
@@ -172,8 +213,13 @@ def test_preemptions_counted_in_a_small_pool(llama_dir: Path) -> None:
 
         async def main() -> None:
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
-                bodies = [{"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True} for p in batch]
-                responses = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+                bodies = [
+                    {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                    for p in batch
+                ]
+                responses = await asyncio.gather(
+                    *(client.post("/v1/completions", json=b) for b in bodies)
+                )
                 assert all(r.status_code == 200 for r in responses)
 
         asyncio.run(main())

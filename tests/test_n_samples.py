@@ -19,11 +19,19 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir: Path) -> LLM:
-    return LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, max_model_len=256, max_num_seqs=8)
+    return LLM(
+        model=str(qwen3_dir),
+        block_size=BLOCK,
+        num_kv_blocks=NUM_BLOCKS,
+        max_model_len=256,
+        max_num_seqs=8,
+    )
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(100, 5000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        100, 5000, (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -37,7 +45,9 @@ def test_greedy_samples_all_equal_the_single_greedy_output(llm: LLM, qwen3_dir: 
     prompt = random_prompt(2 * BLOCK + 5, seed=1)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (single,) = llm.generate(prompt, greedy)
-    (multi,) = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
+    (multi,) = llm.generate(
+        prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    )
 
     expected = hf_greedy(qwen3_dir, [prompt], 8)[0]
     assert single.outputs[0].token_ids == expected
@@ -63,7 +73,9 @@ def test_siblings_share_full_blocks_and_copy_the_partial_one(llm: LLM) -> None:
     prompt = random_prompt(BLOCK + 5, seed=2)
     engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     try:
-        request_id = engine.add_request(prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
+        request_id = engine.add_request(
+            prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+        )
         ids = [request_id, f"{request_id}#1", f"{request_id}#2"]
         engine.step()
         tables = [kv.tables[i] for i in ids]
@@ -104,10 +116,15 @@ def test_siblings_share_full_blocks_and_copy_the_partial_one(llm: LLM) -> None:
 
 def test_seeded_samples_use_consecutive_seeds(llm: LLM) -> None:
     prompt = random_prompt(BLOCK + 3, seed=3)
-    (pair,) = llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    (pair,) = llm.generate(
+        prompt, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    )
     singles = llm.generate(
         [prompt, prompt],
-        [SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True) for seed in (7, 8)],
+        [
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+            for seed in (7, 8)
+        ],
     )
     samples = [o.token_ids for o in pair.outputs]
     # The two samples differ, so the comparison below tells the seeds apart.

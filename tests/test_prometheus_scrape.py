@@ -39,8 +39,12 @@ def installed(tool: str) -> str:
 
 
 def test_promtool_accepts_the_deploy_config() -> None:
-    done = subprocess.run([installed("promtool"), "check", "config", str(DEPLOY / "prometheus.yml")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [installed("promtool"), "check", "config", str(DEPLOY / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -57,9 +61,14 @@ def prometheus(server: RunningServer, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     process = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -94,35 +103,58 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     wait_until_idle(server.engine)
     wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
     generated = query(prometheus, "pagedserve:generation_tokens_total" + selector)
-    finished = query(prometheus, 'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL)
+    finished = query(
+        prometheus,
+        'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
+    )
     ttft = query(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector)
     assert generated is not None and finished is not None and ttft is not None
 
     n, max_tokens = 3, 5
     for i in range(n):
-        body = {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"Item {i}:",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     wait_until_idle(server.engine)
 
-    wait_for(prometheus, "pagedserve:generation_tokens_total" + selector, generated + n * max_tokens)
-    wait_for(prometheus, 'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
-             finished + n)
+    wait_for(
+        prometheus, "pagedserve:generation_tokens_total" + selector, generated + n * max_tokens
+    )
+    wait_for(
+        prometheus,
+        'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
+        finished + n,
+    )
     wait_for(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector, ttft + n)
     wait_for(prometheus, "pagedserve:num_requests_running" + selector, 0.0)
     wait_for(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
-    p99 = query(prometheus, "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector)
+    p99 = query(
+        prometheus,
+        "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector,
+    )
     assert p99 is not None and p99 > 0
 
 
 def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: str) -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
-    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queries = [
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
     assert len(queries) >= 12
     wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
     # Traffic inside the queries' rate window: a shared prefix (cache hits), several steps.
     for i in range(3):
-        body = {"model": MODEL, "prompt": "The same long opening line, again and again, for the cache. " * 4 + str(i),
-                "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": MODEL,
+            "prompt": "The same long opening line, again and again, for the cache. " * 4 + str(i),
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     time.sleep(3)  # a few scrapes after the traffic
     for expr in queries:

@@ -19,11 +19,22 @@ from engine.sampling_params import SamplingParams
 VOCAB = 50
 
 
-def make_request(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-                 seed: int | None = None) -> Request:
+def make_request(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    seed: int | None = None,
+) -> Request:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    request = Request(request_id="r", group_id="r", index=0, prompt_token_ids=prompt or [0, 1, 2],
-                      params=params, arrival_time=0.0, generator=generator)
+    request = Request(
+        request_id="r",
+        group_id="r",
+        index=0,
+        prompt_token_ids=prompt or [0, 1, 2],
+        params=params,
+        arrival_time=0.0,
+        generator=generator,
+    )
     for token in output or []:
         request.append_token(token)
     return request
@@ -36,8 +47,9 @@ def geometric_logits() -> torch.Tensor:
     return torch.tensor([r * math.log(0.8) for r in ranks], dtype=torch.float32)
 
 
-def expected_distribution(logits: list[float], temperature: float, top_k: int, top_p: float,
-                          min_p: float) -> dict[int, float]:
+def expected_distribution(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> dict[int, float]:
     """The distribution to sample from, straight from the definitions: softmax(logits / T);
     min-p keeps p >= min_p * max p; top-k keeps the k most likely of those; top-p keeps the
     smallest most-likely-first prefix whose mass, renormalized over what is left, reaches top_p."""
@@ -46,7 +58,9 @@ def expected_distribution(logits: list[float], temperature: float, top_k: int, t
     weights = [math.exp(s - peak) for s in scaled]
     total = sum(weights)
     probs = [w / total for w in weights]
-    kept = sorted((i for i in range(len(probs)) if probs[i] >= min_p * max(probs)), key=lambda i: -probs[i])
+    kept = sorted(
+        (i for i in range(len(probs)) if probs[i] >= min_p * max(probs)), key=lambda i: -probs[i]
+    )
     if top_k > 0:
         kept = kept[:top_k]
     mass = sum(probs[i] for i in kept)
@@ -192,8 +206,18 @@ def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logpro
         # the bias lifts a token well above the rest
         (SamplingParams(temperature=0, logit_bias={11: 50.0}, logprobs=2), [], []),
         # the argmax was generated three times: the penalties must push it below the runner-up
-        (SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1.5,
-                        logit_bias={runner_up[2]: 0.1}, logprobs=2), [top[2]], [top[2]] * 3),
+        (
+            SamplingParams(
+                temperature=0,
+                frequency_penalty=2.0,
+                presence_penalty=2.0,
+                repetition_penalty=1.5,
+                logit_bias={runner_up[2]: 0.1},
+                logprobs=2,
+            ),
+            [top[2]],
+            [top[2]] * 3,
+        ),
     ]
     requests = [make_request(p, prompt=prompt or None, output=out) for p, prompt, out in cases]
     samples = Sampler(seed=0)(logits.clone(), requests)
@@ -212,7 +236,9 @@ def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logpro
         # Logprobs are the model's own distribution: before bias, penalties and temperature.
         assert sample.logprobs is not None
         assert list(sample.logprobs)[0] == sample.token_id
-        assert sample.logprobs[sample.token_id] == pytest.approx(float(raw[i, sample.token_id]), abs=1e-6)
+        assert sample.logprobs[sample.token_id] == pytest.approx(
+            float(raw[i, sample.token_id]), abs=1e-6
+        )
         top2 = raw[i].topk(2)
         for token, value in zip(top2.indices.tolist(), top2.values.tolist()):
             assert sample.logprobs[token] == pytest.approx(value, abs=1e-6)
@@ -251,8 +277,19 @@ def test_invalid_sampling_params_name_the_parameter(kwargs: dict[str, object], p
 
 
 def test_boundary_sampling_params_are_valid() -> None:
-    SamplingParams(n=1, temperature=0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=1, seed=-(2**63),
-                   logprobs=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01)
+    SamplingParams(
+        n=1,
+        temperature=0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        max_tokens=1,
+        seed=-(2**63),
+        logprobs=0,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=0.01,
+    )
     assert SamplingParams(top_k=-1).top_k == 0  # -1 means disabled, like 0
     assert SamplingParams(max_tokens=None).max_tokens is None
 
@@ -262,8 +299,14 @@ def test_boundary_sampling_params_are_valid() -> None:
 
 @pytest.fixture(scope="module")
 def llm(qwen2_dir: Path) -> LLM:
-    return LLM(str(qwen2_dir), max_model_len=256, num_kv_blocks=128, block_size=16,
-               max_num_batched_tokens=48, max_num_seqs=16)
+    return LLM(
+        str(qwen2_dir),
+        max_model_len=256,
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_batched_tokens=48,
+        max_num_seqs=16,
+    )
 
 
 def test_engine_validation_names_the_parameter(llm: LLM) -> None:
@@ -292,9 +335,18 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(llm: LLM) -
     # so that the batch (and the chunking of the prompts) changes from step to step.
     others = [
         ("Hi", SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)),
-        ("A much longer prompt " * 6, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True)),
-        ("Seeded neighbour", SamplingParams(temperature=1.0, seed=99, n=2, max_tokens=9, ignore_eos=True)),
-        ("Same seed, other prompt", SamplingParams(temperature=1.0, seed=1234, max_tokens=3, ignore_eos=True)),
+        (
+            "A much longer prompt " * 6,
+            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True),
+        ),
+        (
+            "Seeded neighbour",
+            SamplingParams(temperature=1.0, seed=99, n=2, max_tokens=9, ignore_eos=True),
+        ),
+        (
+            "Same seed, other prompt",
+            SamplingParams(temperature=1.0, seed=1234, max_tokens=3, ignore_eos=True),
+        ),
         ("Greedy one", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
     ]
     prompts = [p for p, _ in others[:3]] + [prompt] + [p for p, _ in others[3:]]
@@ -312,7 +364,9 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(llm: LLM) -
     assert neighbour.outputs[0].token_ids != neighbour.outputs[1].token_ids
 
     # Other seeds give other tokens (run together: seeded requests do not depend on the batch).
-    others_seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2, 3)]
+    others_seeded = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2, 3)
+    ]
     different = [out.outputs[0].token_ids for out in llm.generate([prompt] * 3, others_seeded)]
     assert any(tokens != alone for tokens in different)
 
@@ -321,7 +375,11 @@ def test_logit_bias_keys_from_json_become_token_ids() -> None:
     """OpenAI clients send logit_bias as a JSON object: string keys must work, garbage must not
     reach the sampler."""
     assert SamplingParams(logit_bias={"5": 2, 7: -1.5}).logit_bias == {5: 2.0, 7: -1.5}
-    for bad, param in (({"x": 1.0}, "logit_bias"), ({3: 101.0}, "logit_bias"), ({3: -100.5}, "logit_bias")):
+    for bad, param in (
+        ({"x": 1.0}, "logit_bias"),
+        ({3: 101.0}, "logit_bias"),
+        ({3: -100.5}, "logit_bias"),
+    ):
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(logit_bias=bad)
         assert err.value.param == param

@@ -39,7 +39,9 @@ class Sim:
 
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, self.caching)
-        config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+        )
         self.sched = Scheduler(config, self.kv)
         self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
 
@@ -48,7 +50,12 @@ class Sim:
         params = SamplingParams(n=n, max_tokens=max_tokens)
         seqs = [
             Request(
-                group_id if i == 0 else f"{group_id}#{i}", group_id, i, list(prompt), params, 0.0,
+                group_id if i == 0 else f"{group_id}#{i}",
+                group_id,
+                i,
+                list(prompt),
+                params,
+                0.0,
                 status=RequestStatus.WAITING if i == 0 else RequestStatus.AWAITING_FORK,
             )
             for i in range(n)
@@ -92,7 +99,9 @@ class Sim:
         self.check_contents()
         return out
 
-    def check_schedule(self, out: SchedulerOutput, running_before: list[Request], waiting_before: list[Request]) -> None:
+    def check_schedule(
+        self, out: SchedulerOutput, running_before: list[Request], waiting_before: list[Request]
+    ) -> None:
         sched = self.sched
         assert out.num_tokens <= self.max_num_batched_tokens
         assert len(sched.running) <= self.max_num_seqs
@@ -105,7 +114,9 @@ class Sim:
         k = sum(1 for rid in ids if rid in running_ids)
         assert ids[:k] == [rid for rid in running_ids if rid in ids[:k]]
         admitted = ids[k:]
-        assert admitted == [r.request_id for r in waiting_before[: len(admitted)]], "admission out of FCFS order"
+        assert admitted == [r.request_id for r in waiting_before[: len(admitted)]], (
+            "admission out of FCFS order"
+        )
 
         if out.preempted:
             # The most recently admitted requests are the victims; nothing new comes in.
@@ -126,7 +137,9 @@ class Sim:
         for s in out.scheduled:
             req = s.request
             assert s.block_table == self.kv.tables[req.request_id]
-            assert len(s.block_table) * self.block_size >= req.num_computed_tokens + s.num_new_tokens
+            assert (
+                len(s.block_table) * self.block_size >= req.num_computed_tokens + s.num_new_tokens
+            )
             assert req.num_computed_tokens + s.num_new_tokens <= req.num_tokens
             assert req.status == RequestStatus.RUNNING
         self.kv.check_consistency()
@@ -136,7 +149,9 @@ class Sim:
         for req in self.sched.running:
             table = self.kv.tables[req.request_id]
             seen = [self.slots[table[p // bs]][p % bs] for p in range(req.num_computed_tokens)]
-            assert seen == req.all_token_ids[: req.num_computed_tokens], f"{req.request_id} reads wrong K/V"
+            assert seen == req.all_token_ids[: req.num_computed_tokens], (
+                f"{req.request_id} reads wrong K/V"
+            )
 
     def run_to_completion(self, max_steps: int = 2000) -> None:
         while self.sched.has_unfinished():
@@ -189,7 +204,9 @@ def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int
 
 @settings(max_examples=150, deadline=None)
 @given(workload=workloads())
-def test_random_workloads_respect_every_limit_and_finish(workload: tuple[Sim, list[tuple[int, list[int], int, int]]]) -> None:
+def test_random_workloads_respect_every_limit_and_finish(
+    workload: tuple[Sim, list[tuple[int, list[int], int, int]]],
+) -> None:
     sim, requests = workload
     pending = list(enumerate(requests))
     while pending or sim.sched.has_unfinished():

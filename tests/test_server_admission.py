@@ -20,7 +20,13 @@ import pytest
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import attach_metrics
-from tests.server_harness import RunningServer, Stream, assert_openai_error, start_engine, wait_until_idle
+from tests.server_harness import (
+    RunningServer,
+    Stream,
+    assert_openai_error,
+    start_engine,
+    wait_until_idle,
+)
 from tests.test_metrics import MODEL, scrape, value
 
 ENGINE_SETTINGS = {"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 8}
@@ -86,27 +92,40 @@ def test_full_queue_refuses_at_once_with_retry_after_and_counts(qwen3_dir: Path)
                 sender.start()
             wait_for(lambda: gate.waiting == 4)
             before = scrape(running.url)
-            refused = [httpx.post(running.url + path, json=body, timeout=5) for path, body in (
-                ("/v1/completions", BODY),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-                ("/v1/completions", {**BODY, "stream": True}),
-            )]
+            refused = [
+                httpx.post(running.url + path, json=body, timeout=5)
+                for path, body in (
+                    ("/v1/completions", BODY),
+                    (
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                    ),
+                    ("/v1/completions", {**BODY, "stream": True}),
+                )
+            ]
             for response in refused:
                 error = error_of(response, 503)
                 assert response.headers["retry-after"] == "1"
                 assert error["type"] == "service_unavailable" and error["code"] == "queue_full"
                 assert "--max-waiting-requests" in str(error["message"])
-            assert httpx.get(running.url + "/health", timeout=5).status_code == 200  # full is not unhealthy
+            assert (
+                httpx.get(running.url + "/health", timeout=5).status_code == 200
+            )  # full is not unhealthy
             after = scrape(running.url)
-            assert value(after, "request_rejected_total", reason="queue_full") - value(
-                before, "request_rejected_total", reason="queue_full") == 3
+            assert (
+                value(after, "request_rejected_total", reason="queue_full")
+                - value(before, "request_rejected_total", reason="queue_full")
+                == 3
+            )
             assert value(after, "request_rejected_total", reason="shutting_down") == 0
             release.set()
             for sender in senders:
                 sender.join(60)
         assert [a.status_code for a in answers] == [200] * 4
         assert all(a.json()["usage"]["completion_tokens"] == 6 for a in answers)
-        wait_for(lambda: (gate.waiting, gate.in_flight) == (0, 0), timeout=5)  # released once the last byte is out
+        wait_for(
+            lambda: (gate.waiting, gate.in_flight) == (0, 0), timeout=5
+        )  # released once the last byte is out
         assert httpx.post(running.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
     finally:
         running.stop()
@@ -133,50 +152,91 @@ LONG_PROMPT = list(range(5, 25))  # 20 tokens
         ("/v1/completions", {**BODY, "n": 3}, "n", "--max-n"),
         ("/v1/chat/completions", {**CHAT, "n": 3}, "n", "--max-n"),
         ("/v1/completions", {**BODY, "max_tokens": 9}, "max_tokens", "--max-output-tokens"),
-        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 9}, "max_tokens", "--max-output-tokens"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 9},
+            "max_tokens",
+            "--max-output-tokens",
+        ),
         ("/v1/completions", {**BODY, "prompt": LONG_PROMPT}, "prompt", "--max-prompt-tokens"),
-        ("/v1/completions", {**BODY, "prompt": [[5], LONG_PROMPT]}, "prompt", "--max-prompt-tokens"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 30}]}, "messages", "--max-prompt-tokens"),
+        (
+            "/v1/completions",
+            {**BODY, "prompt": [[5], LONG_PROMPT]},
+            "prompt",
+            "--max-prompt-tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 30}]},
+            "messages",
+            "--max-prompt-tokens",
+        ),
     ],
 )
-def test_limits_are_400_naming_their_flag(limited_server: RunningServer, path: str, body: dict, param: str, flag: str) -> None:
+def test_limits_are_400_naming_their_flag(
+    limited_server: RunningServer, path: str, body: dict, param: str, flag: str
+) -> None:
     error = error_of(httpx.post(limited_server.url + path, json=body, timeout=30), 400)
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert flag in str(error["message"])
 
 
 def test_unasked_max_tokens_is_capped_by_the_limit(limited_server: RunningServer) -> None:
-    for path, body in (("/v1/completions", {**BODY, "max_tokens": None}), ("/v1/chat/completions", {**CHAT, "ignore_eos": True})):
+    for path, body in (
+        ("/v1/completions", {**BODY, "max_tokens": None}),
+        ("/v1/chat/completions", {**CHAT, "ignore_eos": True}),
+    ):
         answer = httpx.post(limited_server.url + path, json=body, timeout=60)
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8, answer.text
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8, (
+            answer.text
+        )
 
 
 def test_body_over_the_limit_is_413_declared_or_chunked(limited_server: RunningServer) -> None:
     big = json.dumps({**BODY, "user": "x" * 5000}).encode()
-    error = error_of(httpx.post(limited_server.url + "/v1/completions", content=big,
-                                headers={"content-type": "application/json"}, timeout=30), 413)
+    error = error_of(
+        httpx.post(
+            limited_server.url + "/v1/completions",
+            content=big,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        ),
+        413,
+    )
     assert "--max-body-bytes" in str(error["message"]) and error["type"] == "invalid_request_error"
 
     async def chunked() -> httpx.Response:
         async def pieces():  # no Content-Length: the limit must be found while reading
             for start in range(0, len(big), 1000):
-                yield big[start:start + 1000]
+                yield big[start : start + 1000]
 
         async with httpx.AsyncClient(timeout=30) as client:
-            return await client.post(limited_server.url + "/v1/completions", content=pieces(),
-                                     headers={"content-type": "application/json"})
+            return await client.post(
+                limited_server.url + "/v1/completions",
+                content=pieces(),
+                headers={"content-type": "application/json"},
+            )
 
     error = error_of(asyncio.run(chunked()), 413)
     assert "--max-body-bytes" in str(error["message"])
     fits = json.dumps({**BODY, "user": "x" * 3000}).encode()
-    assert httpx.post(limited_server.url + "/v1/completions", content=fits,
-                      headers={"content-type": "application/json"}, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            limited_server.url + "/v1/completions",
+            content=fits,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        ).status_code
+        == 200
+    )
     state = wait_until_idle(limited_server.engine)
     assert state.free_blocks == state.num_blocks
 
 
 @pytest.mark.parametrize("timeout", [30.0, 1.0])
-def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, timeout: float) -> None:
+def test_drain_finishes_or_aborts_in_flight_and_refuses_new(
+    qwen3_dir: Path, timeout: float
+) -> None:
     """Two streams of 10 tokens and one of 240, at 30 ms a step (about 0.3 s and 7 s): a 30 s
     timeout lets all three finish; a 1 s timeout aborts the long one."""
     engine = start_engine(model=str(qwen3_dir), **ENGINE_SETTINGS)
@@ -185,14 +245,19 @@ def test_drain_finishes_or_aborts_in_flight_and_refuses_new(qwen3_dir: Path, tim
     state = running.app.state.server
     try:
         with before_each_step(engine, lambda: time.sleep(0.03)):
-            streams = [Stream(running.url, {**BODY, "max_tokens": n}).start() for n in (10, 10, 240)]
+            streams = [
+                Stream(running.url, {**BODY, "max_tokens": n}).start() for n in (10, 10, 240)
+            ]
             wait_for(lambda: state.gate.in_flight == 3 and state.gate.waiting == 0)
             started = time.monotonic()
             running.drain()
             wait_for(lambda: state.gate.draining)
             refused = httpx.post(running.url + "/v1/completions", json=BODY, timeout=5)
             assert error_of(refused, 503)["message"] == "the server is shutting down"
-            assert error_of(httpx.get(running.url + "/health", timeout=5), 503)["type"] == "service_unavailable"
+            assert (
+                error_of(httpx.get(running.url + "/health", timeout=5), 503)["type"]
+                == "service_unavailable"
+            )
             assert value(scrape(running.url), "request_rejected_total", reason="shutting_down") == 1
             status = running.join(60)
             elapsed = time.monotonic() - started
@@ -229,7 +294,9 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
     body = {**BODY, "max_tokens": 200}
     try:
         with before_each_step(engine, count):
-            with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            with httpx.stream(
+                "POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as response:
                 for i, _ in enumerate(response.iter_lines()):
                     if i == 6:
                         break
@@ -238,7 +305,9 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
             assert steps["n"] - closed_at <= 2
 
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+                httpx.post(
+                    running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5)
+                )
             closed_at = steps["n"]
             wait_for(lambda: not inner.groups, timeout=10)
             assert steps["n"] - closed_at <= 2
@@ -256,13 +325,22 @@ def test_a_request_without_a_token_within_max_queue_time_is_dropped(qwen3_dir: P
     try:
         with held_steps(engine) as release:
             started = time.monotonic()
-            error = error_of(httpx.post(running.url + "/v1/completions", json=BODY, timeout=30), 503)
+            error = error_of(
+                httpx.post(running.url + "/v1/completions", json=BODY, timeout=30), 503
+            )
             assert time.monotonic() - started >= 0.5
             assert error["code"] == "queue_timeout" and "--max-queue-time" in str(error["message"])
-            stream = Stream(running.url, BODY).start()  # the stream has begun: the error comes as an event
+            stream = Stream(
+                running.url, BODY
+            ).start()  # the stream has begun: the error comes as an event
             stream.join(30)
             events = stream.events
-            assert stream.error is None and events[-1] == "[DONE]" and len(events) == 2 and events[0]["error"]["code"] == "queue_timeout"
+            assert (
+                stream.error is None
+                and events[-1] == "[DONE]"
+                and len(events) == 2
+                and events[0]["error"]["code"] == "queue_timeout"
+            )
             release.set()
             state = wait_until_idle(engine)
             assert (state.groups, state.free_blocks) == (0, state.num_blocks)  # both were aborted

@@ -67,13 +67,16 @@ def sse_chunks(http: httpx.Client, path: str, body: JSON) -> list[JSON]:
     chunks = []
     for event in events[:-1]:
         assert event.startswith("data: ") and "\n" not in event, repr(event)
-        chunks.append(json.loads(event[len("data: "):]))
+        chunks.append(json.loads(event[len("data: ") :]))
     assert chunks
     first = chunks[0]
     expected_object = "chat.completion.chunk" if "chat" in path else "text_completion"
     for chunk in chunks:
         assert (chunk["id"], chunk["created"], chunk["model"], chunk["object"]) == (
-            first["id"], first["created"], first["model"], expected_object
+            first["id"],
+            first["created"],
+            first["model"],
+            expected_object,
         )
     return chunks
 
@@ -127,7 +130,11 @@ def finish_reasons(chunks: list[JSON]) -> dict[int, tuple[str, object]]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> JSON:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 # --------------------------------------------------------------------------- references
@@ -136,7 +143,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> JSON:
 @pytest.fixture(scope="module")
 def story(http: httpx.Client) -> JSON:
     """Greedy 16 tokens after STORY, with each token's text (logprobs=0: the chosen token only)."""
-    out = post(http, "/v1/completions", {"prompt": STORY, "max_tokens": 16, "temperature": 0, "logprobs": 0})
+    out = post(
+        http,
+        "/v1/completions",
+        {"prompt": STORY, "max_tokens": 16, "temperature": 0, "logprobs": 0},
+    )
     choice = out["choices"][0]
     assert choice["finish_reason"] == "length"
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
@@ -146,7 +157,9 @@ def story(http: httpx.Client) -> JSON:
 # --------------------------------------------------------------------------- completions
 
 
-def test_completion_stream_equals_non_stream_with_exact_usage(client: openai.OpenAI, http: httpx.Client) -> None:
+def test_completion_stream_equals_non_stream_with_exact_usage(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
     body: JSON = {"model": MODEL, "prompt": FRANCE, "max_tokens": 12, "temperature": 0}
     prompt_tokens = len(tokenize(http, prompt=FRANCE))
 
@@ -154,13 +167,18 @@ def test_completion_stream_equals_non_stream_with_exact_usage(client: openai.Ope
     assert full.object == "text_completion" and full.model == MODEL and full.id.startswith("cmpl-")
     assert [c.index for c in full.choices] == [0]
     assert full.choices[0].finish_reason == "length"
-    assert full.usage is not None and full.usage.model_dump(exclude_none=True) == usage(prompt_tokens, 12)
+    assert full.usage is not None and full.usage.model_dump(exclude_none=True) == usage(
+        prompt_tokens, 12
+    )
     text = full.choices[0].text
     # The 12 generated tokens spell exactly this text (their own text, one by one).
     with_tokens = post(http, "/v1/completions", {**body, "logprobs": 0})["choices"][0]
     assert with_tokens["text"] == text and len(with_tokens["logprobs"]["tokens"]) == 12
 
-    with_usage = content_chunks(sse_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}}), True)
+    with_usage = content_chunks(
+        sse_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}}),
+        True,
+    )
     assert joined_texts(with_usage, chat=False) == {0: text}
     assert finish_reasons(with_usage) == {0: ("length", None)}
     raw = sse_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
@@ -188,7 +206,9 @@ def test_finish_reason_length_and_stop_strings(http: httpx.Client, story: JSON) 
 
     def tokens_until(stop_end: int) -> int:
         """How many tokens the engine must generate before the text reaches `stop_end` chars."""
-        return next(k for k in range(1, len(token_texts) + 1) if len("".join(token_texts[:k])) >= stop_end)
+        return next(
+            k for k in range(1, len(token_texts) + 1) if len("".join(token_texts[:k])) >= stop_end
+        )
 
     base: JSON = {"prompt": STORY, "max_tokens": 16, "temperature": 0}
     out = post(http, "/v1/completions", {**base, "stop": word})
@@ -210,13 +230,22 @@ def test_finish_reason_length_and_stop_strings(http: httpx.Client, story: JSON) 
 
     out = post(http, "/v1/completions", {**base, "max_tokens": 3})
     assert out["choices"][0]["text"] == "".join(token_texts[:3])
-    assert (out["choices"][0]["finish_reason"], out["choices"][0]["stop_reason"]) == ("length", None)
+    assert (out["choices"][0]["finish_reason"], out["choices"][0]["stop_reason"]) == (
+        "length",
+        None,
+    )
 
 
 def test_n_samples_use_consecutive_seeds(http: httpx.Client) -> None:
     # Sample i of a request with seed S draws from seed S + i, so it equals a lone request with
     # seed S + i: an exact check of both the n samples and their order.
-    body: JSON = {"prompt": STORY, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    body: JSON = {
+        "prompt": STORY,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
     out = post(http, "/v1/completions", {**body, "n": 3})
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 3
@@ -237,7 +266,9 @@ def test_n_samples_use_consecutive_seeds(http: httpx.Client) -> None:
 def test_batched_prompts_are_prompt_major(client: openai.OpenAI, http: httpx.Client) -> None:
     prompts = [STORY, FRANCE]
     body: JSON = {"max_tokens": 6, "temperature": 0}
-    singles = [post(http, "/v1/completions", {**body, "prompt": p})["choices"][0]["text"] for p in prompts]
+    singles = [
+        post(http, "/v1/completions", {**body, "prompt": p})["choices"][0]["text"] for p in prompts
+    ]
     assert singles[0] != singles[1]
     ids = [tokenize(http, prompt=p) for p in prompts]
     # choice index = prompt index * n + sample index; every greedy sample equals the lone answer.
@@ -247,9 +278,15 @@ def test_batched_prompts_are_prompt_major(client: openai.OpenAI, http: httpx.Cli
         assert [(c.index, c.text) for c in out.choices] == expected
         assert [c.finish_reason for c in out.choices] == ["length"] * 4
         # Each prompt counted once (not once per sample), each sample's tokens counted.
-        assert out.usage is not None and out.usage.model_dump(exclude_none=True) == usage(len(ids[0]) + len(ids[1]), 24)
+        assert out.usage is not None and out.usage.model_dump(exclude_none=True) == usage(
+            len(ids[0]) + len(ids[1]), 24
+        )
 
-    chunks = sse_chunks(http, "/v1/completions", {**body, "prompt": prompts, "n": 2, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(
+        http,
+        "/v1/completions",
+        {**body, "prompt": prompts, "n": 2, "stream_options": {"include_usage": True}},
+    )
     assert chunks[-1]["usage"] == usage(len(ids[0]) + len(ids[1]), 24)
     assert joined_texts(content_chunks(chunks, True), chat=False) == dict(expected)
 
@@ -261,10 +298,18 @@ def test_completion_logprobs(http: httpx.Client) -> None:
     lp = choice["logprobs"]
     n = out["usage"]["completion_tokens"]
     assert n == 8 and choice["finish_reason"] == "length"
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert (
+        len(lp["tokens"])
+        == len(lp["token_logprobs"])
+        == len(lp["top_logprobs"])
+        == len(lp["text_offset"])
+        == n
+    )
     assert "".join(lp["tokens"]) == choice["text"]
     offset = 0
-    for token, logprob, top, start in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]):
+    for token, logprob, top, start in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]
+    ):
         assert start == offset
         offset += len(token)
         # The chosen token and the top 3 (which, greedy, include it): 3 entries, 4 only if not.
@@ -283,7 +328,11 @@ def test_completion_logprobs(http: httpx.Client) -> None:
 
 
 def test_echo(http: httpx.Client) -> None:
-    plain = post(http, "/v1/completions", {"prompt": FRANCE, "max_tokens": 4, "temperature": 0, "logprobs": 1})
+    plain = post(
+        http,
+        "/v1/completions",
+        {"prompt": FRANCE, "max_tokens": 4, "temperature": 0, "logprobs": 1},
+    )
     completion = plain["choices"][0]["text"]
     prompt_ids = tokenize(http, prompt=FRANCE)
     body: JSON = {"prompt": FRANCE, "max_tokens": 4, "temperature": 0, "echo": True}
@@ -297,18 +346,28 @@ def test_echo(http: httpx.Client) -> None:
     lp = choice["logprobs"]
     assert choice["text"] == FRANCE + completion
     total = len(prompt_ids) + 4
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == total
+    assert (
+        len(lp["tokens"])
+        == len(lp["token_logprobs"])
+        == len(lp["top_logprobs"])
+        == len(lp["text_offset"])
+        == total
+    )
     assert "".join(lp["tokens"]) == choice["text"]
     assert "".join(lp["tokens"][: len(prompt_ids)]) == FRANCE
     # Nothing precedes the first prompt token, so it has no logprob; every later token has one.
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+    for token, logprob, top in zip(
+        lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]
+    ):
         assert top[token] == logprob and len(top) in (1, 2)
     offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(total)]
     assert lp["text_offset"] == offsets
     # The completion's part is what the request without echo reported.
-    assert lp["tokens"][len(prompt_ids):] == plain["choices"][0]["logprobs"]["tokens"]
-    assert lp["token_logprobs"][len(prompt_ids):] == pytest.approx(plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    assert lp["tokens"][len(prompt_ids) :] == plain["choices"][0]["logprobs"]["tokens"]
+    assert lp["token_logprobs"][len(prompt_ids) :] == pytest.approx(
+        plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+    )
 
     # A token-id prompt echoes as its decoded text.
     ids_out = post(http, "/v1/completions", {**body, "prompt": prompt_ids})
@@ -334,21 +393,33 @@ def test_seed_reproducibility(http: httpx.Client) -> None:
 # --------------------------------------------------------------------------- chat
 
 
-def test_chat_stream_equals_non_stream_with_exact_usage(client: openai.OpenAI, http: httpx.Client) -> None:
+def test_chat_stream_equals_non_stream_with_exact_usage(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
     body: JSON = {"model": ALIAS, "messages": LONG_CHAT, "max_tokens": 12, "temperature": 0}
     # The prompt is the conversation under the chat template, generation prompt included.
     prompt_tokens = len(tokenize(http, messages=LONG_CHAT))
     assert prompt_tokens > len(tokenize(http, prompt=LONG_CHAT[0]["content"]))
 
     full = client.chat.completions.create(**body)
-    assert full.object == "chat.completion" and full.model == ALIAS and full.id.startswith("chatcmpl-")
+    assert (
+        full.object == "chat.completion" and full.model == ALIAS and full.id.startswith("chatcmpl-")
+    )
     (choice,) = full.choices
-    assert choice.index == 0 and choice.message.role == "assistant" and choice.finish_reason == "length"
-    assert full.usage is not None and full.usage.model_dump(exclude_none=True) == usage(prompt_tokens, 12)
+    assert (
+        choice.index == 0
+        and choice.message.role == "assistant"
+        and choice.finish_reason == "length"
+    )
+    assert full.usage is not None and full.usage.model_dump(exclude_none=True) == usage(
+        prompt_tokens, 12
+    )
     text = choice.message.content
     assert text
 
-    chunks = sse_chunks(http, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(
+        http, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    )
     assert chunks[-1]["usage"] == usage(prompt_tokens, 12)
     body_chunks = content_chunks(chunks, True)
     assert joined_texts(body_chunks, chat=True) == {0: text}
@@ -380,7 +451,14 @@ def test_chat_ends_at_eos_with_stop(http: httpx.Client) -> None:
 
 
 def test_chat_n_samples_stream(http: httpx.Client) -> None:
-    body: JSON = {"messages": LONG_CHAT, "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    body: JSON = {
+        "messages": LONG_CHAT,
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+    }
     out = post(http, "/v1/chat/completions", body)
     assert [c["index"] for c in out["choices"]] == [0, 1]
     texts = {c["index"]: c["message"]["content"] for c in out["choices"]}
@@ -389,14 +467,21 @@ def test_chat_n_samples_stream(http: httpx.Client) -> None:
     chunks = sse_chunks(http, "/v1/chat/completions", body)
     # Each choice opens with its role delta before any content.
     assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:2]] == [
-        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+        (0, {"role": "assistant", "content": ""}),
+        (1, {"role": "assistant", "content": ""}),
     ]
     assert joined_texts(chunks, chat=True) == texts
     assert finish_reasons(chunks) == {0: ("length", None), 1: ("length", None)}
 
 
 def test_chat_logprobs(http: httpx.Client) -> None:
-    body: JSON = {"messages": LONG_CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    body: JSON = {
+        "messages": LONG_CHAT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
     out = post(http, "/v1/chat/completions", body)
     choice = out["choices"][0]
     content = choice["logprobs"]["content"]
@@ -410,23 +495,29 @@ def test_chat_logprobs(http: httpx.Client) -> None:
         assert len(top) == 5
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
         for alt in top:
-            assert set(alt) == {"token", "logprob", "bytes"} and alt["bytes"] == list(alt["token"].encode())
+            assert set(alt) == {"token", "logprob", "bytes"} and alt["bytes"] == list(
+                alt["token"].encode()
+            )
         # Greedy: the chosen token is the most likely one.
         assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])
 
     chunks = sse_chunks(http, "/v1/chat/completions", body)
     assert chunks[0]["choices"][0]["logprobs"] is None  # the role delta carries no token
     streamed = [e for c in chunks[1:] for e in c["choices"][0]["logprobs"]["content"]]
-    assert [(e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in streamed] == [
-        (e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in content
-    ]
-    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    assert [
+        (e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in streamed
+    ] == [(e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx(
+        [e["logprob"] for e in content], abs=1e-4
+    )
 
 
 # --------------------------------------------------------------------------- other routes
 
 
-def test_models(client: openai.OpenAI, http: httpx.Client, server: RunningServer, default_model_dir: Path) -> None:
+def test_models(
+    client: openai.OpenAI, http: httpx.Client, server: RunningServer, default_model_dir: Path
+) -> None:
     assert [m.id for m in client.models.list()] == [MODEL, ALIAS]
     listing = http.get("/v1/models").json()
     assert listing["object"] == "list"
@@ -442,7 +533,9 @@ def test_models(client: openai.OpenAI, http: httpx.Client, server: RunningServer
     assert missing.json() == {
         "error": {
             "message": "The model 'no-such-model' does not exist",
-            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
         }
     }
     with pytest.raises(openai.NotFoundError):

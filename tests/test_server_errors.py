@@ -31,8 +31,17 @@ ORIGIN = "http://dashboard.example"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Say hi."}]
-BASE = {COMPLETIONS: {"model": MODEL, "prompt": "Hello", "max_tokens": 4}, CHAT: {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}}
-GOOD = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+BASE = {
+    COMPLETIONS: {"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+    CHAT: {"model": MODEL, "messages": MESSAGES, "max_tokens": 4},
+}
+GOOD = {
+    "model": MODEL,
+    "prompt": "The capital of France is",
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -68,22 +77,35 @@ def error_of(response: httpx.Response, status: int) -> JSON:
     return error
 
 
-def sdk_post(client: openai.OpenAI, path: str, body: JSON | None = None, content: bytes | None = None) -> object:
+def sdk_post(
+    client: openai.OpenAI, path: str, body: JSON | None = None, content: bytes | None = None
+) -> object:
     """POST through the openai client, which maps the status to its exception class."""
     route = path.removeprefix("/v1")
     if content is not None:
-        return client.post(route, cast_to=object, content=content, options={"headers": {"Content-Type": "application/json"}})
+        return client.post(
+            route,
+            cast_to=object,
+            content=content,
+            options={"headers": {"Content-Type": "application/json"}},
+        )
     return client.post(route, cast_to=object, body=body)
 
 
-def assert_sdk_raises(call: Any, exc_class: type[openai.APIStatusError], status: int, error: JSON) -> None:
+def assert_sdk_raises(
+    call: Any, exc_class: type[openai.APIStatusError], status: int, error: JSON
+) -> None:
     """The client raises exactly `exc_class`, carrying the same error object the raw body had."""
     with pytest.raises(openai.APIStatusError) as info:
         call()
     assert type(info.value) is exc_class
     assert info.value.status_code == status
     assert info.value.body == error  # the SDK keeps the inner error object
-    assert (info.value.type, info.value.param, info.value.code) == (error["type"], error["param"], error["code"])
+    assert (info.value.type, info.value.param, info.value.code) == (
+        error["type"],
+        error["param"],
+        error["code"],
+    )
 
 
 @dataclass(frozen=True)
@@ -103,7 +125,10 @@ class Bad:
 
 
 def both(name: str, fields: JSON, param: str | None, *words: str) -> list[Bad]:
-    return [Bad(f"{name}-completions", COMPLETIONS, fields, param, words), Bad(f"{name}-chat", CHAT, fields, param, words)]
+    return [
+        Bad(f"{name}-completions", COMPLETIONS, fields, param, words),
+        Bad(f"{name}-chat", CHAT, fields, param, words),
+    ]
 
 
 # --------------------------------------------------------------------------- 400: bad parameters
@@ -118,8 +143,20 @@ OUT_OF_RANGE = [
     # Within the API's range but above the engine's max_num_seqs: refused by the engine's check.
     *both("n-over-max-num-seqs", {"n": 100}, "n", f"n=100 exceeds max_num_seqs={MAX_NUM_SEQS}"),
     Bad("logprobs-6", COMPLETIONS, {"logprobs": 6}, "logprobs", ("5", "6")),
-    Bad("top_logprobs-21", CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", ("20", "21")),
-    Bad("top_logprobs-without-logprobs", CHAT, {"top_logprobs": 3}, "top_logprobs", ("requires logprobs",)),
+    Bad(
+        "top_logprobs-21",
+        CHAT,
+        {"logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        ("20", "21"),
+    ),
+    Bad(
+        "top_logprobs-without-logprobs",
+        CHAT,
+        {"top_logprobs": 3},
+        "top_logprobs",
+        ("requires logprobs",),
+    ),
     *both("stop-five-strings", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4", "not 5"),
     *both("presence_penalty-high", {"presence_penalty": 2.5}, "presence_penalty", "2.5"),
     *both("presence_penalty-low", {"presence_penalty": -2.5}, "presence_penalty", "-2.5"),
@@ -129,14 +166,37 @@ OUT_OF_RANGE = [
     *both("seed-below-int64", {"seed": -(2**63) - 1}, "seed", str(-(2**63) - 1)),
     *both("max_tokens-zero", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     *both("max_tokens-negative", {"max_tokens": -5}, "max_tokens", "-5"),
-    Bad("max_completion_tokens-zero", CHAT, {"max_completion_tokens": 0}, "max_completion_tokens", ("1",)),
+    Bad(
+        "max_completion_tokens-zero",
+        CHAT,
+        {"max_completion_tokens": 0},
+        "max_completion_tokens",
+        ("1",),
+    ),
     *both("logit_bias-101", {"logit_bias": {"42": 101}}, "logit_bias", "[-100, 100]"),
     *both("logit_bias-word-key", {"logit_bias": {"hello": 5}}, "logit_bias", "token ids"),
     *both("logit_bias-float-key", {"logit_bias": {"1.5": 5}}, "logit_bias", "token ids"),
-    *both("logit_bias-key-outside-vocab", {"logit_bias": {str(VOCAB): 5}}, "logit_bias", str(VOCAB)),
-    *both("stream_options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    *both("stream_options-stream-false", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    *both("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tools"),
+    *both(
+        "logit_bias-key-outside-vocab", {"logit_bias": {str(VOCAB): 5}}, "logit_bias", str(VOCAB)
+    ),
+    *both(
+        "stream_options-without-stream",
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream",
+    ),
+    *both(
+        "stream_options-stream-false",
+        {"stream": False, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream",
+    ),
+    *both(
+        "tools",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "tools",
+        "tools",
+    ),
 ]
 
 WRONG_TYPES = [
@@ -145,49 +205,135 @@ WRONG_TYPES = [
     Bad("prompt-missing", COMPLETIONS, {}, "prompt", ("required",), drop=("prompt",)),
     Bad("messages-string", CHAT, {"messages": "hello"}, "messages", ("list", "hello")),
     Bad("messages-missing", CHAT, {}, "messages", ("required",), drop=("messages",)),
-    Bad("message-without-role", CHAT, {"messages": [{"content": "hi"}]}, "messages.0.role", ("required",)),
+    Bad(
+        "message-without-role",
+        CHAT,
+        {"messages": [{"content": "hi"}]},
+        "messages.0.role",
+        ("required",),
+    ),
     *both("temperature-word", {"temperature": "hot"}, "temperature", "number", "hot"),
     *both("n-float", {"n": 1.5}, "n", "integer", "1.5"),
     *both("stream-word", {"stream": "sometimes"}, "stream", "boolean"),
     # Junk nested inside known fields is refused, at the deepest field that names it.
     *both("stop-nested-junk", {"stop": {"a": [1, {"b": None}]}}, "stop"),
     *both("stop-list-of-lists", {"stop": [["a"]]}, "stop.0", "string"),
-    *both("stream_options-nested-junk", {"stream": True, "stream_options": {"include_usage": {"deep": [1]}}},
-          "stream_options.include_usage", "boolean"),
+    *both(
+        "stream_options-nested-junk",
+        {"stream": True, "stream_options": {"include_usage": {"deep": [1]}}},
+        "stream_options.include_usage",
+        "boolean",
+    ),
     *both("logit_bias-nested-junk", {"logit_bias": {"42": {"x": 1}}}, "logit_bias.42", "number"),
-    Bad("content-part-without-type", CHAT, {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
-        "messages.0.content.0.type", ("required",)),
-    Bad("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    Bad(
+        "content-part-without-type",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+        "messages.0.content.0.type",
+        ("required",),
+    ),
+    Bad(
+        "content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"
+    ),
 ]
 
 EMPTY_AND_TOKENS = [
     Bad("prompt-empty-string", COMPLETIONS, {"prompt": ""}, "prompt", ("empty",)),
     Bad("prompt-empty-list", COMPLETIONS, {"prompt": []}, "prompt", ("empty",)),
-    Bad("prompt-batch-with-empty-string", COMPLETIONS, {"prompt": ["Hello", ""]}, "prompt", ("empty",)),
+    Bad(
+        "prompt-batch-with-empty-string",
+        COMPLETIONS,
+        {"prompt": ["Hello", ""]},
+        "prompt",
+        ("empty",),
+    ),
     Bad("prompt-batch-with-empty-ids", COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt", ("empty",)),
     Bad("messages-empty", CHAT, {"messages": []}, "messages", ("at least 1",)),
-    Bad("token-id-vocab-size", COMPLETIONS, {"prompt": [1, VOCAB]}, "prompt", (str(VOCAB), f"[0, {VOCAB})")),
-    Bad("token-id-in-batch", COMPLETIONS, {"prompt": [[1, 2], [3, VOCAB + 7]]}, "prompt", (str(VOCAB + 7),)),
+    Bad(
+        "token-id-vocab-size",
+        COMPLETIONS,
+        {"prompt": [1, VOCAB]},
+        "prompt",
+        (str(VOCAB), f"[0, {VOCAB})"),
+    ),
+    Bad(
+        "token-id-in-batch",
+        COMPLETIONS,
+        {"prompt": [[1, 2], [3, VOCAB + 7]]},
+        "prompt",
+        (str(VOCAB + 7),),
+    ),
     # A negative id is refused by the request schema, at its position in the prompt.
-    Bad("token-id-negative", COMPLETIONS, {"prompt": [1, -1]}, "prompt.1", ("-1", "greater than or equal to 0")),
-    Bad("token-id-negative-in-batch", COMPLETIONS, {"prompt": [[1, 2], [-5]]}, "prompt.1.0", ("-5",)),
+    Bad(
+        "token-id-negative",
+        COMPLETIONS,
+        {"prompt": [1, -1]},
+        "prompt.1",
+        ("-1", "greater than or equal to 0"),
+    ),
+    Bad(
+        "token-id-negative-in-batch", COMPLETIONS, {"prompt": [[1, 2], [-5]]}, "prompt.1.0", ("-5",)
+    ),
     Bad("token-id-not-int", COMPLETIONS, {"prompt": [[1, "x"]]}, "prompt.0.1", ("integer",)),
-    Bad("prompt-batch-with-number", COMPLETIONS, {"prompt": ["Hello", 3]}, "prompt.1", ("string", "3")),
+    Bad(
+        "prompt-batch-with-number",
+        COMPLETIONS,
+        {"prompt": ["Hello", 3]},
+        "prompt.1",
+        ("string", "3"),
+    ),
     *both("stop_token_ids-negative", {"stop_token_ids": [-3]}, "stop_token_ids.0", "-3"),
-    *both("stop_token_ids-outside-vocab", {"stop_token_ids": [VOCAB]}, "stop_token_ids", str(VOCAB)),
-    Bad("content-part-image", CHAT,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]},
-        "messages.0.content.0", ("image_url", "only text")),
-    Bad("content-part-second-image", CHAT,
-        {"messages": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
-        "messages.1.content.1", ("image_url",)),
-    Bad("response_format-json", CHAT, {"response_format": {"type": "json_object"}}, "response_format", ("text",)),
+    *both(
+        "stop_token_ids-outside-vocab", {"stop_token_ids": [VOCAB]}, "stop_token_ids", str(VOCAB)
+    ),
+    Bad(
+        "content-part-image",
+        CHAT,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}
+                    ],
+                }
+            ]
+        },
+        "messages.0.content.0",
+        ("image_url", "only text"),
+    ),
+    Bad(
+        "content-part-second-image",
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi"},
+                        {"type": "image_url", "image_url": {"url": "x"}},
+                    ],
+                },
+            ]
+        },
+        "messages.1.content.1",
+        ("image_url",),
+    ),
+    Bad(
+        "response_format-json",
+        CHAT,
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        ("text",),
+    ),
     Bad("suffix", COMPLETIONS, {"suffix": "end"}, "suffix", ("suffix",)),
 ]
 
 
-@pytest.mark.parametrize("case", OUT_OF_RANGE + WRONG_TYPES + EMPTY_AND_TOKENS, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", OUT_OF_RANGE + WRONG_TYPES + EMPTY_AND_TOKENS, ids=lambda c: c.name
+)
 def test_bad_request(http: httpx.Client, client: openai.OpenAI, case: Bad) -> None:
     body = case.body()
     error = error_of(http.post(case.path, json=body), 400)
@@ -202,31 +348,59 @@ def test_bad_request(http: httpx.Client, client: openai.OpenAI, case: Bad) -> No
 def test_nan_temperature_is_refused(http: httpx.Client, client: openai.OpenAI) -> None:
     # Python's json accepts the bare NaN literal; the range check must still refuse it (a NaN
     # compares false to every bound) rather than let it reach the sampler.
-    for path, base in ((COMPLETIONS, '"prompt": "Hello"'), (CHAT, '"messages": [{"role": "user", "content": "hi"}]')):
+    for path, base in (
+        (COMPLETIONS, '"prompt": "Hello"'),
+        (CHAT, '"messages": [{"role": "user", "content": "hi"}]'),
+    ):
         raw = f'{{"model": "{MODEL}", {base}, "max_tokens": 4, "temperature": NaN}}'.encode()
-        error = error_of(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
-        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "temperature", None)
+        error = error_of(
+            http.post(path, content=raw, headers={"content-type": "application/json"}), 400
+        )
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error",
+            "temperature",
+            None,
+        )
         assert "NaN" in error["message"]
-        assert_sdk_raises(partial(sdk_post, client, path, content=raw), openai.BadRequestError, 400, error)
+        assert_sdk_raises(
+            partial(sdk_post, client, path, content=raw), openai.BadRequestError, 400, error
+        )
 
 
 @pytest.mark.parametrize(
     "raw",
-    [b'{"model": "smol", "prompt": "Hello",', b"not json at all", b'{"model": "smol", "prompt": "Hello"}}', b"\xff\xfe"],
+    [
+        b'{"model": "smol", "prompt": "Hello",',
+        b"not json at all",
+        b'{"model": "smol", "prompt": "Hello"}}',
+        b"\xff\xfe",
+    ],
     ids=["truncated", "text", "trailing-brace", "not-utf8"],
 )
 def test_malformed_json(http: httpx.Client, client: openai.OpenAI, raw: bytes) -> None:
     for path in (COMPLETIONS, CHAT):
-        error = error_of(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
-        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, None)
+        error = error_of(
+            http.post(path, content=raw, headers={"content-type": "application/json"}), 400
+        )
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error",
+            None,
+            None,
+        )
         assert "not valid JSON" in error["message"]
-        assert_sdk_raises(partial(sdk_post, client, path, content=raw), openai.BadRequestError, 400, error)
+        assert_sdk_raises(
+            partial(sdk_post, client, path, content=raw), openai.BadRequestError, 400, error
+        )
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2, 3]", b'"Hello"', b"null"], ids=["array", "string", "null"])
+@pytest.mark.parametrize(
+    "raw", [b"[1, 2, 3]", b'"Hello"', b"null"], ids=["array", "string", "null"]
+)
 def test_body_not_an_object(http: httpx.Client, raw: bytes) -> None:
     for path in (COMPLETIONS, CHAT):
-        error = error_of(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        error = error_of(
+            http.post(path, content=raw, headers={"content-type": "application/json"}), 400
+        )
         assert error["type"] == "invalid_request_error" and error["code"] is None
 
 
@@ -260,23 +434,58 @@ def test_prompt_plus_max_tokens_beyond_context(http: httpx.Client, client: opena
     text_len = len(tokenize(http, prompt="Hello there, how are you?"))
     chat_len = len(tokenize(http, messages=MESSAGES))
     cases = [
-        (COMPLETIONS, {"model": MODEL, "prompt": "Hello there, how are you?", "max_tokens": MAX_MODEL_LEN}, text_len, MAX_MODEL_LEN),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": "Hello there, how are you?", "max_tokens": MAX_MODEL_LEN},
+            text_len,
+            MAX_MODEL_LEN,
+        ),
         # One token over: the budget check is not off by one.
-        (COMPLETIONS, {"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN - 99}, 100, MAX_MODEL_LEN - 99),
-        (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN}, chat_len, MAX_MODEL_LEN),
-        (CHAT, {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 9000}, chat_len, 9000),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN - 99},
+            100,
+            MAX_MODEL_LEN - 99,
+        ),
+        (
+            CHAT,
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN},
+            chat_len,
+            MAX_MODEL_LEN,
+        ),
+        (
+            CHAT,
+            {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 9000},
+            chat_len,
+            9000,
+        ),
     ]
     for path, body, prompt_len, max_tokens in cases:
         error = error_of(http.post(path, json=body), 400)
         assert error["message"] == too_long(prompt_len, max_tokens)
-        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "max_tokens", None)
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error",
+            "max_tokens",
+            None,
+        )
         assert_sdk_raises(partial(sdk_post, client, path, body), openai.BadRequestError, 400, error)
     # Exactly max_model_len is accepted; a bias toward the end-of-sequence token (id 2) ends
     # the answer at once, so the full budget is never generated.
     eos_now = {"temperature": 0, "logit_bias": {"2": 100}}
     fits = [
-        (COMPLETIONS, {"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN - 100, **eos_now}),
-        (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - chat_len, **eos_now}),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN - 100, **eos_now},
+        ),
+        (
+            CHAT,
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "max_tokens": MAX_MODEL_LEN - chat_len,
+                **eos_now,
+            },
+        ),
     ]
     for path, body in fits:
         response = http.post(path, json=body)
@@ -289,18 +498,40 @@ def test_prompt_alone_beyond_context(http: httpx.Client, client: openai.OpenAI) 
     chat_len = len(tokenize(http, messages=long_chat))
     assert chat_len > MAX_MODEL_LEN
     cases = [
-        (COMPLETIONS, {"model": MODEL, "prompt": [1] * 8200}, 8200, 16, "prompt"),  # max_tokens defaults to 16
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": [1] * 8200},
+            8200,
+            16,
+            "prompt",
+        ),  # max_tokens defaults to 16
         (COMPLETIONS, {"model": MODEL, "prompt": [1] * 8200, "max_tokens": 1}, 8200, 1, "prompt"),
         # A prompt of exactly max_model_len leaves no room for even one token.
-        (COMPLETIONS, {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, MAX_MODEL_LEN, 1, "prompt"),
-        (COMPLETIONS, {"model": MODEL, "prompt": [[1, 2], [1] * 8200], "max_tokens": 1}, 8200, 1, "prompt"),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1},
+            MAX_MODEL_LEN,
+            1,
+            "prompt",
+        ),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": [[1, 2], [1] * 8200], "max_tokens": 1},
+            8200,
+            1,
+            "prompt",
+        ),
         # Unasked, the chat budget is the room left, of which there is none.
         (CHAT, {"model": MODEL, "messages": long_chat}, chat_len, 1, "messages"),
     ]
     for path, body, prompt_len, max_tokens, param in cases:
         error = error_of(http.post(path, json=body), 400)
         assert error["message"] == too_long(prompt_len, max_tokens)
-        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, None)
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error",
+            param,
+            None,
+        )
         assert_sdk_raises(partial(sdk_post, client, path, body), openai.BadRequestError, 400, error)
 
 
@@ -323,26 +554,60 @@ def test_unknown_model(http: httpx.Client, client: openai.OpenAI, path: str) -> 
 def test_unknown_model_card(http: httpx.Client, client: openai.OpenAI) -> None:
     error = error_of(http.get("/v1/models/gpt-nonexistent"), 404)
     assert (error["param"], error["code"]) == ("model", "model_not_found")
-    assert_sdk_raises(lambda: client.models.retrieve("gpt-nonexistent"), openai.NotFoundError, 404, error)
+    assert_sdk_raises(
+        lambda: client.models.retrieve("gpt-nonexistent"), openai.NotFoundError, 404, error
+    )
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/nope"), ("GET", "/v1/nope"), ("GET", "/nowhere/at/all"), ("POST", "/v1/completion")])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/nope"),
+        ("GET", "/v1/nope"),
+        ("GET", "/nowhere/at/all"),
+        ("POST", "/v1/completion"),
+    ],
+)
 def test_unknown_route(http: httpx.Client, client: openai.OpenAI, method: str, path: str) -> None:
     error = error_of(http.request(method, path, json={}), 404)
-    assert error == {"message": f"Invalid URL ({method} {path})", "type": "invalid_request_error", "param": None, "code": None}
+    assert error == {
+        "message": f"Invalid URL ({method} {path})",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
     if path.startswith("/v1/") and method == "POST":
         assert_sdk_raises(lambda: sdk_post(client, path, {}), openai.NotFoundError, 404, error)
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", COMPLETIONS), ("GET", CHAT), ("DELETE", COMPLETIONS), ("PUT", CHAT), ("POST", "/v1/models")])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", COMPLETIONS),
+        ("GET", CHAT),
+        ("DELETE", COMPLETIONS),
+        ("PUT", CHAT),
+        ("POST", "/v1/models"),
+    ],
+)
 def test_wrong_method(http: httpx.Client, client: openai.OpenAI, method: str, path: str) -> None:
     response = http.request(method, path)
     error = error_of(response, 405)
-    assert error == {"message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": None}
+    assert error == {
+        "message": "Method Not Allowed",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
     assert response.headers["allow"] == ("GET" if path == "/v1/models" else "POST")
     if method == "GET":
         # 405 has no class of its own in the SDK: the base status error, exactly.
-        assert_sdk_raises(lambda: client.get(path.removeprefix("/v1"), cast_to=object), openai.APIStatusError, 405, error)
+        assert_sdk_raises(
+            lambda: client.get(path.removeprefix("/v1"), cast_to=object),
+            openai.APIStatusError,
+            405,
+            error,
+        )
 
 
 # --------------------------------------------------------------------------- API key, CORS
@@ -365,7 +630,11 @@ def keyed_requests(model: str) -> list[tuple[str, str, JSON | None]]:
     return [
         ("GET", "/v1/models", None),
         ("GET", f"/v1/models/{model}", None),
-        ("POST", COMPLETIONS, {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+        (
+            "POST",
+            COMPLETIONS,
+            {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        ),
         ("POST", CHAT, {"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}),
     ]
 
@@ -380,36 +649,56 @@ def keyed_requests(model: str) -> list[tuple[str, str, JSON | None]]:
     ],
     ids=["missing", "wrong", "no-scheme", "longer"],
 )
-def test_api_key_refused(keyed_http: httpx.Client, keyed_model: str, authorization: str | None, message: str) -> None:
+def test_api_key_refused(
+    keyed_http: httpx.Client, keyed_model: str, authorization: str | None, message: str
+) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
     for method, path, body in keyed_requests(keyed_model):
         response = keyed_http.request(method, path, json=body, headers=headers)
         error = error_of(response, 401)
-        assert error == {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        assert error == {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
         assert response.headers["www-authenticate"] == "Bearer"
 
 
-def test_api_key_accepted(keyed_http: httpx.Client, keyed_model: str, keyed_server: RunningServer) -> None:
+def test_api_key_accepted(
+    keyed_http: httpx.Client, keyed_model: str, keyed_server: RunningServer
+) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     for method, path, body in keyed_requests(keyed_model):
         response = keyed_http.request(method, path, json=body, headers=headers)
         assert response.status_code == 200, response.text
-    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as sdk:
+    with openai.OpenAI(
+        base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as sdk:
         assert [m.id for m in sdk.models.list().data] == [keyed_model]
         out = sdk.completions.create(model=keyed_model, prompt="Hello", max_tokens=2, temperature=0)
         assert out.usage is not None and out.usage.completion_tokens == 2
-        chat = sdk.chat.completions.create(model=keyed_model, messages=MESSAGES, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+        chat = sdk.chat.completions.create(
+            model=keyed_model, messages=MESSAGES, max_tokens=2, temperature=0
+        )  # type: ignore[arg-type]
         assert chat.choices[0].message.role == "assistant"
 
 
 def test_sdk_with_wrong_key(keyed_server: RunningServer, keyed_model: str) -> None:
-    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=120) as sdk:
+    with openai.OpenAI(
+        base_url=keyed_server.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=120
+    ) as sdk:
         calls = [
             lambda: sdk.models.list(),
             lambda: sdk.completions.create(model=keyed_model, prompt="Hello", max_tokens=2),
             lambda: sdk.chat.completions.create(model=keyed_model, messages=MESSAGES, max_tokens=2),  # type: ignore[arg-type]
         ]
-        error = {"message": "Incorrect API key provided.", "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        error = {
+            "message": "Incorrect API key provided.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
         for call in calls:
             assert_sdk_raises(call, openai.AuthenticationError, 401, error)
 
@@ -425,10 +714,14 @@ def test_open_routes_need_no_key(keyed_http: httpx.Client) -> None:
 def test_cors_preflight(keyed_http: httpx.Client) -> None:
     # A browser's preflight carries no key and must be answered before the key is asked for.
     for path in (COMPLETIONS, CHAT, "/v1/models"):
-        response = keyed_http.options(path, headers={
-            "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type",
-        })
+        response = keyed_http.options(
+            path,
+            headers={
+                "Origin": ORIGIN,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert response.status_code == 200, response.text
         assert response.headers["access-control-allow-origin"] == ORIGIN
         assert "POST" in response.headers["access-control-allow-methods"]
@@ -437,13 +730,18 @@ def test_cors_preflight(keyed_http: httpx.Client) -> None:
 
 
 def test_cors_disallowed_origin(keyed_http: httpx.Client, keyed_model: str) -> None:
-    preflight = keyed_http.options(COMPLETIONS, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    preflight = keyed_http.options(
+        COMPLETIONS,
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert preflight.status_code == 400
     assert "access-control-allow-origin" not in preflight.headers
     # A request from an unlisted origin is served (CORS binds browsers only) but not opened to it.
     body = {"model": keyed_model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    response = keyed_http.post(COMPLETIONS, json=body, headers={**auth, "Origin": "http://evil.example"})
+    response = keyed_http.post(
+        COMPLETIONS, json=body, headers={**auth, "Origin": "http://evil.example"}
+    )
     assert response.status_code == 200
     assert "access-control-allow-origin" not in response.headers
     allowed = keyed_http.post(COMPLETIONS, json=body, headers={**auth, "Origin": ORIGIN})
@@ -467,7 +765,11 @@ def test_server_still_serves_and_engine_is_empty(
     # request or a KV block behind in the engine.
     assert http.get("/health").status_code == 200
     out = client.completions.create(
-        model=MODEL, prompt=GOOD["prompt"], max_tokens=GOOD["max_tokens"], temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt=GOOD["prompt"],
+        max_tokens=GOOD["max_tokens"],
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert [c.text for c in out.choices] == reference
     assert out.choices[0].finish_reason == "length"

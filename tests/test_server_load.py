@@ -18,9 +18,27 @@ from engine import LLM, SamplingParams
 from tests.conftest import SERVER_SETTINGS
 from tests.server_harness import RunningServer, start_engine, wait_until_idle
 
-SUBJECTS = ["rivers", "bread", "comets", "violins", "glaciers", "owls", "copper", "tides", "maps", "tea",
-            "bridges", "moss", "clocks", "sails", "honey", "deserts"]
-PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [f"Name a fact about {s}:" for s in SUBJECTS]
+SUBJECTS = [
+    "rivers",
+    "bread",
+    "comets",
+    "violins",
+    "glaciers",
+    "owls",
+    "copper",
+    "tides",
+    "maps",
+    "tea",
+    "bridges",
+    "moss",
+    "clocks",
+    "sails",
+    "honey",
+    "deserts",
+]
+PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [
+    f"Name a fact about {s}:" for s in SUBJECTS
+]
 MAX_TOKENS = 12
 
 
@@ -28,10 +46,12 @@ def _sse_events(body: str) -> list[str]:
     assert body.endswith("data: [DONE]\n\n"), body[-200:]
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events)
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
-def test_32_concurrent_streams_match_offline_engine(server: RunningServer, default_model_dir: Path) -> None:
+def test_32_concurrent_streams_match_offline_engine(
+    server: RunningServer, default_model_dir: Path
+) -> None:
     assert len(set(PROMPTS)) == 32
     offline = LLM(str(default_model_dir), **SERVER_SETTINGS)
     expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
@@ -39,7 +59,11 @@ def test_32_concurrent_streams_match_offline_engine(server: RunningServer, defau
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int, list[str | None]]:
         stream = await client.completions.create(
-            model="smol", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model="smol",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
         text, usage, reasons = "", 0, []
@@ -52,7 +76,9 @@ def test_32_concurrent_streams_match_offline_engine(server: RunningServer, defau
         return text, usage, reasons
 
     async def main() -> list[tuple[str, int, list[str | None]]]:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as client:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300
+        ) as client:
             return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
     results = asyncio.run(main())
@@ -82,7 +108,9 @@ def test_cancelled_streams_and_timed_out_requests_free_everything(server: Runnin
     async def time_out(client: httpx.AsyncClient, i: int) -> None:
         body = {**long, "messages": [{"role": "user", "content": f"Tell story {i}."}]}
         with pytest.raises(httpx.ReadTimeout):
-            await client.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+            await client.post(
+                "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5)
+            )
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=64)
@@ -95,7 +123,11 @@ def test_cancelled_streams_and_timed_out_requests_free_everything(server: Runnin
     state = wait_until_idle(server.engine)
     assert (state.running, state.waiting, state.groups) == (0, 0, 0)
     assert state.free_blocks == state.num_blocks
-    after = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60)
+    after = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        timeout=60,
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
 
 
@@ -137,7 +169,9 @@ def test_engine_failure_mid_stream(llama_dir: Path) -> None:
         health = httpx.get(running.url + "/health", timeout=10)
         assert health.status_code == 503 and "injected fault" in health.json()["error"]["message"]
         refused = httpx.post(running.url + "/v1/completions", json=body, timeout=10)
-        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        assert (
+            refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        )
     finally:
         running.stop()
         engine.shutdown()

@@ -30,15 +30,22 @@ class Daemon:
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the server did not exit within {timeout} s:\n{self.log.read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"the server did not exit within {timeout} s:\n{self.log.read_text()[-3000:]}"
+            ) from None
 
 
-def start_daemon(tmp_path: Path, args: list[str], module: str = "server.cli", env: dict[str, str] | None = None) -> Daemon:
+def start_daemon(
+    tmp_path: Path, args: list[str], module: str = "server.cli", env: dict[str, str] | None = None
+) -> Daemon:
     port = free_port()
     log = tmp_path / "serve.log"
     process = subprocess.Popen(
         [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     daemon = Daemon(process, f"http://127.0.0.1:{port}", log)
     try:
@@ -58,10 +65,25 @@ def stop(daemon: Daemon) -> None:
 def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
     daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "4"])
     try:
-        short = [Stream(daemon.url, {"prompt": f"Count to {i}:", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-                 for i in range(2)]
-        long = [Stream(daemon.url, {"prompt": f"Story {i}:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
-                for i in range(2)]
+        short = [
+            Stream(
+                daemon.url,
+                {
+                    "prompt": f"Count to {i}:",
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            for i in range(2)
+        ]
+        long = [
+            Stream(
+                daemon.url,
+                {"prompt": f"Story {i}:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True},
+            )
+            for i in range(2)
+        ]
         for stream in short + long:
             stream.start()
         for stream in short + long:
@@ -69,10 +91,16 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_di
         signalled = time.monotonic()
         daemon.process.send_signal(signal.SIGTERM)
         wait_for_status(daemon.url + "/health", 503)
-        refused = httpx.post(daemon.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        refused = httpx.post(
+            daemon.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10
+        )
         assert refused.status_code == 503
-        assert refused.json()["error"] == {"message": "the server is shutting down", "type": "service_unavailable",
-                                           "param": None, "code": None}
+        assert refused.json()["error"] == {
+            "message": "the server is shutting down",
+            "type": "service_unavailable",
+            "param": None,
+            "code": None,
+        }
         assert daemon.wait(60) == 0
         elapsed = time.monotonic() - signalled
         for stream in short + long:
@@ -92,7 +120,10 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_di
 def test_second_signal_exits_at_once(tmp_path: Path, default_model_dir: Path) -> None:
     daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "600"])
     try:
-        long = Stream(daemon.url, {"prompt": "Story:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}).start()
+        long = Stream(
+            daemon.url,
+            {"prompt": "Story:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True},
+        ).start()
         assert long.first_event.wait(60)
         daemon.process.send_signal(signal.SIGTERM)
         wait_for_status(daemon.url + "/health", 503)
@@ -111,7 +142,9 @@ def test_second_signal_exits_at_once(tmp_path: Path, default_model_dir: Path) ->
 
 def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: Path) -> None:
     daemon = start_daemon(
-        tmp_path, [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"], module="tests.faulty_serve",
+        tmp_path,
+        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"],
+        module="tests.faulty_serve",
         env={"PAGEDSERVE_TEST_FAULT_AFTER": "3"},
     )
     try:
@@ -120,10 +153,16 @@ def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: P
         assert stream.first_event.wait(60)
         plain = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
         assert plain.status_code == 500
-        assert plain.json()["error"]["type"] == "server_error" and "injected fault" in plain.json()["error"]["message"]
+        assert (
+            plain.json()["error"]["type"] == "server_error"
+            and "injected fault" in plain.json()["error"]["message"]
+        )
         stream.join(30)
         assert stream.error is None and stream.events[-1] == "[DONE]"
-        assert set(stream.events[-2]) == {"error"} and "injected fault" in stream.events[-2]["error"]["message"]
+        assert (
+            set(stream.events[-2]) == {"error"}
+            and "injected fault" in stream.events[-2]["error"]["message"]
+        )
         assert daemon.wait(30) == 1
     finally:
         stop(daemon)

@@ -34,7 +34,9 @@ def prompts(count: int, salt: str) -> list[str]:
 @dataclass
 class StreamResult:
     text: str = ""
-    tokens: list[str] = field(default_factory=list)  # one entry per token, as the chunks carried them
+    tokens: list[str] = field(
+        default_factory=list
+    )  # one entry per token, as the chunks carried them
     finish_reasons: list[str] = field(default_factory=list)
     done: bool = False
 
@@ -46,7 +48,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamResu
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 result.done = True
                 continue
@@ -88,7 +90,9 @@ class HealthProbe:
                 self.latencies.append(time.monotonic() - start)
 
 
-def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(server: RunningServer, default_model_dir: Path) -> None:
+def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(
+    server: RunningServer, default_model_dir: Path
+) -> None:
     texts = prompts(500, "Line")
     offline = LLM(str(default_model_dir), **SERVER_SETTINGS)
     expected = offline.generate(texts, SamplingParams(temperature=0, max_tokens=STREAM_TOKENS))
@@ -98,7 +102,10 @@ def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(server: Runni
     async def main() -> list[StreamResult]:
         limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
         async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
-            bodies = [{"prompt": p, "max_tokens": STREAM_TOKENS, "temperature": 0, "logprobs": 0} for p in texts]
+            bodies = [
+                {"prompt": p, "max_tokens": STREAM_TOKENS, "temperature": 0, "logprobs": 0}
+                for p in texts
+            ]
             return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
 
     with HealthProbe(server.url) as probe:
@@ -107,7 +114,9 @@ def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(server: Runni
         sample = want.outputs[0]
         assert got.done
         assert got.text == sample.text
-        assert got.tokens == [tokenizer.decode([t]) for t in sample.token_ids]  # every token once, in order
+        assert got.tokens == [
+            tokenizer.decode([t]) for t in sample.token_ids
+        ]  # every token once, in order
         assert got.finish_reasons == [sample.finish_reason]
     assert len(probe.latencies) >= 5 and set(probe.statuses) == {200}
     assert max(probe.latencies) < 1.0, sorted(probe.latencies)[-5:]
@@ -133,7 +142,9 @@ def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
     async def leave_waiting(client: httpx.AsyncClient, i: int, after: float) -> None:
         payload = {**body, "messages": [{"role": "user", "content": f"Storm {i}"}]}
         with pytest.raises(httpx.ReadTimeout):
-            await client.post("/v1/chat/completions", json=payload, timeout=httpx.Timeout(60, read=after))
+            await client.post(
+                "/v1/chat/completions", json=payload, timeout=httpx.Timeout(60, read=after)
+            )
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         if i % 2:
@@ -153,27 +164,52 @@ def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
     deadline = time.monotonic() + 10  # the gauges are published after the engine's next iteration
     while True:
         samples = scrape(server.url)
-        gauges = [value(samples, name) for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        gauges = [
+            value(samples, name)
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        ]
         if gauges == [0, 0, 0] or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert gauges == [0, 0, 0]
-    after = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60)
+    after = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        timeout=60,
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
 
 
-def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(default_model_dir: Path) -> None:
+def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
+    default_model_dir: Path,
+) -> None:
     """24 blocks of 16 tokens for 24 concurrent requests that each need up to 5 blocks."""
     texts = prompts(24, "Entry")
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     expected = LLM(str(default_model_dir), **SERVER_SETTINGS).generate(texts, params)
-    engine = start_engine(model=str(default_model_dir), num_kv_blocks=24, block_size=16, max_num_seqs=16, max_model_len=128)
+    engine = start_engine(
+        model=str(default_model_dir),
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_seqs=16,
+        max_model_len=128,
+    )
     config = ServerConfig(served_model_name=[MODEL])
     running = RunningServer(engine, config, attach_metrics(engine, config))
     try:
+
         async def main() -> list[StreamResult]:
             async with httpx.AsyncClient(base_url=running.url, timeout=600) as client:
-                bodies = [{"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "logprobs": 0} for p in texts]
+                bodies = [
+                    {
+                        "prompt": p,
+                        "max_tokens": 48,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "logprobs": 0,
+                    }
+                    for p in texts
+                ]
                 return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
 
         results = asyncio.run(main())

@@ -42,15 +42,28 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def generate(tokenizer, tokens: list[int], params: SamplingParams, max_model_len: int = 4096) -> Run:
+def generate(
+    tokenizer, tokens: list[int], params: SamplingParams, max_model_len: int = 4096
+) -> Run:
     """Feed `tokens` as if sampled one per step, until the request finishes."""
     prompt = list(tokenizer("Tell me a story:").input_ids)
     request = Request(
-        request_id="r", group_id="r", index=0, prompt_token_ids=prompt, params=params, arrival_time=0.0,
-        eos_token_id=tokenizer.eos_token_id, status=RequestStatus.RUNNING,
+        request_id="r",
+        group_id="r",
+        index=0,
+        prompt_token_ids=prompt,
+        params=params,
+        arrival_time=0.0,
+        eos_token_id=tokenizer.eos_token_id,
+        status=RequestStatus.RUNNING,
     )
-    group = RequestGroup("r", None, prompt, [request],
-                         [SequenceText(IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens))])
+    group = RequestGroup(
+        "r",
+        None,
+        prompt,
+        [request],
+        [SequenceText(IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens))],
+    )
     outputs = []
     for token in tokens:
         request.append_token(token)
@@ -93,7 +106,11 @@ def assert_stream_consistent(run: Run) -> None:
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string(tokenizer, stop: str, include: bool) -> None:
     ids = encode(tokenizer, TEXT)
-    run = generate(tokenizer, ids, SamplingParams(stop=stop, include_stop_str_in_output=include, max_tokens=100))
+    run = generate(
+        tokenizer,
+        ids,
+        SamplingParams(stop=stop, include_stop_str_in_output=include, max_tokens=100),
+    )
     idx = TEXT.index(stop)
     assert run.final.text == (TEXT[: idx + len(stop)] if include else TEXT[:idx])
     assert run.final.finish_reason == "stop"
@@ -109,7 +126,11 @@ def test_stop_string_hold_back_is_tight(tokenizer) -> None:
     ids = encode(tokenizer, TEXT)
     stops = ["dog!", "sleeping"]  # never occur, but prefixes of them do ("dog", "sleep")
     run = generate(tokenizer, ids, SamplingParams(stop=stops, max_tokens=len(ids)))
-    assert run.final.text == TEXT and run.final.finish_reason == "length" and run.final.stop_reason is None
+    assert (
+        run.final.text == TEXT
+        and run.final.finish_reason == "length"
+        and run.final.stop_reason is None
+    )
     hold = max(len(s) for s in stops) - 1
     streamed = ""
     for k, out in enumerate(run.outputs[:-1], start=1):
@@ -134,7 +155,10 @@ def test_stop_string_not_shown_while_streaming(tokenizer) -> None:
     [
         (["lazy", "fox"], "fox"),  # the earliest occurrence wins, not the first listed
         (["own", "bro"], "bro"),  # both complete in the same token " brown"
-        (["fox", "quick brown fox"], "quick brown fox"),  # both complete at " fox"; the longer starts first
+        (
+            ["fox", "quick brown fox"],
+            "quick brown fox",
+        ),  # both complete at " fox"; the longer starts first
     ],
 )
 def test_earliest_stop_string_wins(tokenizer, stops: list[str], winner: str) -> None:
@@ -189,7 +213,9 @@ def test_eos_finishes_unless_ignored(tokenizer) -> None:
     assert_stream_consistent(run)
 
     # ignore_eos concerns EOS only: an explicit stop token id still stops, even when it is EOS.
-    run = generate(tokenizer, tokens, SamplingParams(max_tokens=100, ignore_eos=True, stop_token_ids=[eos]))
+    run = generate(
+        tokenizer, tokens, SamplingParams(max_tokens=100, ignore_eos=True, stop_token_ids=[eos])
+    )
     assert run.final.token_ids == ids[:4] + [eos]
     assert (run.final.finish_reason, run.final.stop_reason) == ("stop", eos)
 
@@ -208,7 +234,9 @@ def test_max_model_len(tokenizer) -> None:
     ids = encode(tokenizer, TEXT)
     num_prompt = len(tokenizer("Tell me a story:").input_ids)
     for max_tokens in (None, 50):  # the context limit applies whatever max_tokens allows
-        run = generate(tokenizer, ids, SamplingParams(max_tokens=max_tokens), max_model_len=num_prompt + 3)
+        run = generate(
+            tokenizer, ids, SamplingParams(max_tokens=max_tokens), max_model_len=num_prompt + 3
+        )
         assert run.final.token_ids == ids[:3]
         assert run.final.finish_reason == "length"
         assert run.final.text == tokenizer.decode(ids[:3])
@@ -221,7 +249,9 @@ def llm(qwen2_dir: Path) -> LLM:
 
 def test_end_to_end_stop_string(llm: LLM) -> None:
     prompt = "Hello, my name is"
-    first = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    first = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[
+        0
+    ].outputs[0]
     text = first.text
     # The 3-character piece of the output that first appears latest (random weights repeat a lot).
     windows = [text[i : i + 3] for i in range(len(text) - 2) if "\ufffd" not in text[i : i + 3]]
@@ -230,8 +260,13 @@ def test_end_to_end_stop_string(llm: LLM) -> None:
     assert cut > 0
 
     for include in (False, True):
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=stop,
-                                include_stop_str_in_output=include)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=include,
+        )
         out = llm.generate(prompt, params)[0].outputs[0]
         assert out.text == (text[: cut + len(stop)] if include else text[:cut])
         assert (out.finish_reason, out.stop_reason) == ("stop", stop)

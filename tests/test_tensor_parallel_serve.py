@@ -53,10 +53,14 @@ def start_tp_daemon(tmp_path: Path, model_dir: Path) -> tuple[Daemon, int, list[
     return daemon, worker, kids
 
 
-def test_serves_one_ranks_tokens_and_sigterm_leaves_nothing(tmp_path: Path, qwen3_dir: Path) -> None:
+def test_serves_one_ranks_tokens_and_sigterm_leaves_nothing(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     with LLM(str(qwen3_dir), num_kv_blocks=64, max_model_len=256) as llm:
-        want = llm.generate([BODY["prompt"]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+        want = llm.generate(
+            [BODY["prompt"]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )[0].outputs[0]
     daemon, worker, kids = start_tp_daemon(tmp_path, qwen3_dir)
     try:
         plain = httpx.post(daemon.url + "/v1/completions", json=BODY, timeout=60)
@@ -76,7 +80,9 @@ def test_serves_one_ranks_tokens_and_sigterm_leaves_nothing(tmp_path: Path, qwen
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
-def test_a_killed_worker_fails_the_stream_and_the_server_exits_non_zero(tmp_path: Path, qwen3_dir: Path) -> None:
+def test_a_killed_worker_fails_the_stream_and_the_server_exits_non_zero(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
     daemon, worker, _ = start_tp_daemon(tmp_path, qwen3_dir)
     try:
         stream = Stream(daemon.url, {**BODY, "max_tokens": 200}).start()  # about 2 s of steps
@@ -86,7 +92,9 @@ def test_a_killed_worker_fails_the_stream_and_the_server_exits_non_zero(tmp_path
         stream.join(30)
         assert stream.error is None and stream.events[-1] == "[DONE]"
         error = stream.events[-2]
-        assert set(error) == {"error"} and error["error"]["type"] == "server_error", json.dumps(error)
+        assert set(error) == {"error"} and error["error"]["type"] == "server_error", json.dumps(
+            error
+        )
         assert stream.finish_reasons == []
         status = daemon.wait(30)
         assert status not in (0, None) and time.monotonic() - killed < 15
@@ -101,7 +109,9 @@ def test_a_worker_killed_while_idle_turns_health_503(qwen3_dir: Path) -> None:
     worker dies, and still notices at once."""
     import multiprocessing
 
-    engine = start_engine(model=str(qwen3_dir), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2)
+    engine = start_engine(
+        model=str(qwen3_dir), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2
+    )
     running = RunningServer(engine, ServerConfig())
     try:
         assert httpx.post(running.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
@@ -110,7 +120,9 @@ def test_a_worker_killed_while_idle_turns_health_503(qwen3_dir: Path) -> None:
         health = wait_for_status(running.url + "/health", 503, timeout=10)
         assert "tensor-parallel rank 1 exited with status -9" in health.json()["error"]["message"]
         refused = httpx.post(running.url + "/v1/completions", json=BODY, timeout=10)
-        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        assert (
+            refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        )
     finally:
         running.stop()
         engine.shutdown()

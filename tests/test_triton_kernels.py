@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:  # a dev dependency on Linux: CI must have it, elsewhere it may be missing
+if (
+    importlib.util.find_spec("triton") is None
+):  # a dev dependency on Linux: CI must have it, elsewhere it may be missing
     if os.environ.get("CI"):
         raise RuntimeError("triton is not installed: pip install -e '.[dev]'")
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -48,7 +50,9 @@ def test_store_kv_matches_torch_and_skips_padding() -> None:
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_paged_attention_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+def test_paged_attention_matches_reference(
+    heads: int, kv_heads: int, dim: int, block_size: int
+) -> None:
     check_against_reference(TritonBackend, heads, kv_heads, dim, block_size, device=DEVICE)
 
 
@@ -69,7 +73,13 @@ def test_engine_greedy_tokens_equal_with_the_triton_backend(model_fixture: str, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:6]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    settings = {"max_num_batched_tokens": 24, "num_kv_blocks": 12, "block_size": 16, "max_model_len": 128, "max_num_seqs": 6}
+    settings = {
+        "max_num_batched_tokens": 24,
+        "num_kv_blocks": 12,
+        "block_size": 16,
+        "max_model_len": 128,
+        "max_num_seqs": 6,
+    }
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(model_dir), attention_backend=backend, device=DEVICE, **settings)

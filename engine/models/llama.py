@@ -43,8 +43,9 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    fused: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, fused: ModuleType | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of residual + x, residual + x)."""
         if fused is not None:
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
@@ -95,7 +96,9 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows)
-        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(
+            self.weight.dtype
+        )
         return all_reduce(x, self.shard)
 
 
@@ -110,7 +113,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False)), shard)
+        self.o_proj = RowParallelLinear(
+            self.q_size, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False)), shard
+        )
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -170,8 +175,14 @@ class DecoderLayer(nn.Module):
 class ForwardContext:
     """What every layer needs for one step besides its input."""
 
-    def __init__(self, cos_sin, backend: AttentionBackend, kv_caches, meta: AttentionMetadata,
-                 fused: ModuleType | None) -> None:
+    def __init__(
+        self,
+        cos_sin,
+        backend: AttentionBackend,
+        kv_caches,
+        meta: AttentionMetadata,
+        fused: ModuleType | None,
+    ) -> None:
         self.cos, self.sin = cos_sin
         self.backend = backend
         self.kv_caches = kv_caches
@@ -185,7 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.shard = shard
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, shard) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -217,7 +230,11 @@ class LlamaForCausalLM(nn.Module):
             return "not on the CPU"
         try:
             from kernels.cpu import fused_ops
-        except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja: the build failed
+        except (
+            ImportError,
+            OSError,
+            RuntimeError,
+        ) as exc:  # no compiler or ninja: the build failed
             return f"kernels.cpu.fused_ops could not be built: {exc}"
         self.fused_ops = fused_ops
         return None
@@ -226,7 +243,11 @@ class LlamaForCausalLM(nn.Module):
         """Built after the weights are in place (the module is created on the meta device)."""
         weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
-            head_dim_of(self.config), max_positions, rope_parameters(self.config), weight.device, weight.dtype
+            head_dim_of(self.config),
+            max_positions,
+            rope_parameters(self.config),
+            weight.device,
+            weight.dtype,
         )
 
     def forward(
@@ -237,7 +258,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        ctx = ForwardContext(self.rotary.lookup(positions), backend, kv_caches, meta, self.fused_ops)
+        ctx = ForwardContext(
+            self.rotary.lookup(positions), backend, kv_caches, meta, self.fused_ops
+        )
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
@@ -278,13 +301,17 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 dst = param.data[rows]
                 if dst.shape != tensor.shape:
-                    raise ModelLoadError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                    raise ModelLoadError(
+                        f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
+                    )
                 dst.copy_(tensor)
             loaded.add(f"{name}:{offset_of}")
         expected = {f"{n}:{part}" for n in params for part in _fused_parts(n)}
         missing = sorted(expected - loaded)
         if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+            raise ModelLoadError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
+            )
 
     def _read_slice(self, name: str, part: str | None, source: CheckpointTensor) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor: (dim, first, count) by the layer it feeds."""
@@ -313,7 +340,13 @@ class LlamaForCausalLM(nn.Module):
     def _fused_offset(self, name: str, part: str) -> int:
         attn = self.layers[0].self_attn
         mlp = self.layers[0].mlp
-        return {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size, "gate": 0, "up": mlp.intermediate}[part]
+        return {
+            "q": 0,
+            "k": attn.q_size,
+            "v": attn.q_size + attn.kv_size,
+            "gate": 0,
+            "up": mlp.intermediate,
+        }[part]
 
 
 class CheckpointTensor(Protocol):
@@ -326,8 +359,13 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
 
 
 def _map_name(hf_name: str) -> tuple[str, str | None] | None:

@@ -16,7 +16,11 @@ SUPPORTED_ARCHITECTURES = {
 def resolve_architecture(hf_config) -> str:
     names = list(getattr(hf_config, "architectures", None) or [])
     if not names:  # a config built from its class in code names no architecture
-        names = [a for a, t in SUPPORTED_ARCHITECTURES.items() if t == getattr(hf_config, "model_type", None)]
+        names = [
+            a
+            for a, t in SUPPORTED_ARCHITECTURES.items()
+            if t == getattr(hf_config, "model_type", None)
+        ]
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name

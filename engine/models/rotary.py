@@ -44,7 +44,12 @@ class RotaryEmbedding:
     """Precomputed cos/sin per position, in the model's dtype."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, params: dict, device: torch.device, dtype: torch.dtype
+        self,
+        head_dim: int,
+        max_positions: int,
+        params: dict,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         inv_freq = inverse_frequencies(head_dim, params)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]

@@ -37,7 +37,9 @@ class WorkerDiedError(RuntimeError):
 class LocalExecutor:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.loaded, self.runner = build_runner(config, Shard(), max_model_len)
-        self.on_failure: Callable[[], None] | None = None  # never called: nothing here can die alone
+        self.on_failure: Callable[[], None] | None = (
+            None  # never called: nothing here can die alone
+        )
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
@@ -79,8 +81,10 @@ class TensorParallelExecutor:
         for rank in range(1, size):
             parent, child = context.Pipe()
             process = context.Process(
-                target=worker_main, args=(config.model_dump_json(), rank, port, max_model_len, child),
-                name=f"pagedserve-tp{rank}", daemon=True,
+                target=worker_main,
+                args=(config.model_dump_json(), rank, port, max_model_len, child),
+                name=f"pagedserve-tp{rank}",
+                daemon=True,
             )
             process.start()
             child.close()
@@ -93,7 +97,9 @@ class TensorParallelExecutor:
             raise
         join_group(config, 0, port)
         log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
-        self._monitor = threading.Thread(target=self._watch, name="pagedserve-tp-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch, name="pagedserve-tp-monitor", daemon=True
+        )
         self._monitor.start()
 
     def _wait_until_loaded(self) -> None:
@@ -106,7 +112,9 @@ class TensorParallelExecutor:
                 worker.process.join(JOIN_SECONDS)
                 message = f"exited with status {worker.process.exitcode}"
             if message != "loaded":
-                raise ModelLoadError(f"tensor-parallel rank {worker.rank} failed to start: {message}")
+                raise ModelLoadError(
+                    f"tensor-parallel rank {worker.rank} failed to start: {message}"
+                )
 
     def _watch(self) -> None:
         wait([w.process.sentinel for w in self.workers])
@@ -123,7 +131,10 @@ class TensorParallelExecutor:
         for worker in dead:
             worker.process.join(JOIN_SECONDS)  # reaped, so that its exit status is known
         if dead:
-            self.failure = ", ".join(f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}" for w in dead)
+            self.failure = ", ".join(
+                f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}"
+                for w in dead
+            )
         return self.failure
 
     def check(self) -> None:
@@ -136,7 +147,9 @@ class TensorParallelExecutor:
             try:
                 worker.conn.send_bytes(data)
             except OSError as exc:  # a worker's end of the pipe is closed: it is gone
-                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} is gone: {exc}") from None
+                raise WorkerDiedError(
+                    f"tensor-parallel rank {worker.rank} is gone: {exc}"
+                ) from None
 
     def allocate_kv(self, num_blocks: int) -> None:
         self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))

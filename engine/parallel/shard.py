@@ -51,7 +51,9 @@ def check_shardable(hf_config, size: int) -> None:
     if hf_config.intermediate_size % size:
         problems.append(f"the MLP width {hf_config.intermediate_size}")
     if problems:
-        raise ModelLoadError(f"--tensor-parallel-size {size} does not divide {' or '.join(problems)} of this model")
+        raise ModelLoadError(
+            f"--tensor-parallel-size {size} does not divide {' or '.join(problems)} of this model"
+        )
 
 
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:

@@ -39,16 +39,25 @@ def join_group(config: EngineConfig, rank: int, port: int) -> None:
     else:  # ranks on one CPU share its cores
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
         timeout=timedelta(seconds=config.parallel.distributed_timeout),
     )
 
 
-def worker_main(config_json: str, rank: int, port: int, max_model_len: int, conn: Connection) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+def worker_main(
+    config_json: str, rank: int, port: int, max_model_len: int, conn: Connection
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s"
+    )
     config = EngineConfig.model_validate_json(config_json)
     try:
-        _, runner = build_runner(config, Shard(rank, config.parallel.tensor_parallel_size), max_model_len)
+        _, runner = build_runner(
+            config, Shard(rank, config.parallel.tensor_parallel_size), max_model_len
+        )
     except BaseException as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None

@@ -34,7 +34,9 @@ class _Chunk:
     mask: torch.Tensor | None  # [rows, context] additive mask, with `slots`
 
 
-def _plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, device: torch.device) -> list[_Chunk]:
+def _plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[_Chunk]:
     starts = itertools.accumulate(meta.query_lens, initial=0)
     chunks = []
     for i, (start, q_len, ctx) in enumerate(zip(starts, meta.query_lens, meta.context_lens)):
@@ -45,7 +47,9 @@ def _plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, device: 
             chunks.append(_Chunk(rows, None, None))
             continue
         hidden = ~visible_keys(q_len, ctx, device)
-        mask = torch.zeros(q_len, ctx, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(q_len, ctx, dtype=dtype, device=device).masked_fill_(
+            hidden, float("-inf")
+        )
         chunks.append(_Chunk(rows, context_slots(meta.block_tables[i], ctx, block_size), mask))
     return chunks
 
@@ -78,8 +82,17 @@ class CpuPagedBackend:
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(chunks) < meta.num_reqs:
-            paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k, scale,
-                            KERNEL_MAX_QUERY_LEN)
+            paged_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seqlens_k,
+                scale,
+                KERNEL_MAX_QUERY_LEN,
+            )
         for chunk in chunks:
             if chunk.slots is None:
                 keys, values = k[chunk.rows], v[chunk.rows]
@@ -87,8 +100,13 @@ class CpuPagedBackend:
                 keys = k_cache.view(-1, kv_heads, dim).index_select(0, chunk.slots)
                 values = v_cache.view(-1, kv_heads, dim).index_select(0, chunk.slots)
             attn = F.scaled_dot_product_attention(
-                _heads_first(q[chunk.rows]), _heads_first(keys), _heads_first(values),
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True,
+                _heads_first(q[chunk.rows]),
+                _heads_first(keys),
+                _heads_first(values),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
             out[chunk.rows] = attn.squeeze(0).transpose(0, 1)
         return out

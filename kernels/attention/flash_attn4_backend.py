@@ -15,7 +15,9 @@ from kernels.triton.store_kv import store_kv
 
 class FlashAttn4Backend:
     name = "flash-attn-4"
-    graph_safe = False  # capturing its JIT-compiled kernels in a CUDA graph has not been verified here
+    graph_safe = (
+        False  # capturing its JIT-compiled kernels in a CUDA graph has not been verified here
+    )
 
     def forward(
         self,
@@ -29,9 +31,16 @@ class FlashAttn4Backend:
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         result = flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=max(meta.query_lens),
-            max_seqlen_k=max(meta.context_lens), seqused_k=meta.seqlens_k, page_table=meta.block_tables,
-            softmax_scale=scale, causal=True,
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            max_seqlen_q=max(meta.query_lens),
+            max_seqlen_k=max(meta.context_lens),
+            seqused_k=meta.seqlens_k,
+            page_table=meta.block_tables,
+            softmax_scale=scale,
+            causal=True,
         )
         # Releases differ: some return (out, lse), some out alone.
         return result[0] if isinstance(result, tuple) else result

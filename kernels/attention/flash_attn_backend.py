@@ -40,13 +40,26 @@ class FlashAttn2Backend:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if max(meta.query_lens, default=0) == 1:
             out = flash_attn_with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqlens_k, block_table=meta.block_tables,
-                softmax_scale=scale, causal=True,
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seqlens_k,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
             )
             return out.squeeze(1)
         if meta.backend_plan is None:  # the same in every layer
             meta.backend_plan = cumulative(meta.seqlens_k)
         return flash_attn_varlen_func(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.backend_plan, max(meta.query_lens), max(meta.context_lens),
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.backend_plan,
+            max(meta.query_lens),
+            max(meta.context_lens),
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
         )

@@ -88,7 +88,9 @@ def _unfit(name: str, p: Platform, block_size: int | None) -> str | None:
     if p.capability is None:
         return f"it needs a CUDA device, not {p.device}"
     if p.dtype not in HALF:
-        return f"it takes float16 or bfloat16, not {str(p.dtype).removeprefix('torch.')} (see --dtype)"
+        return (
+            f"it takes float16 or bfloat16, not {str(p.dtype).removeprefix('torch.')} (see --dtype)"
+        )
     if name == "flash-attn":
         if p.capability < (8, 0):
             return f"it needs compute capability 8.0 or later, this GPU has {p.capability[0]}.{p.capability[1]}"
@@ -108,27 +110,40 @@ def _unfit(name: str, p: Platform, block_size: int | None) -> str | None:
 def _block_size(name: str, requested: int | None) -> int:
     if requested is not None:
         return requested
-    return {"flash-attn": FA2_BLOCK_SIZE, "flash-attn-4": FA4_BLOCK_SIZE}.get(name, DEFAULT_BLOCK_SIZE)
+    return {"flash-attn": FA2_BLOCK_SIZE, "flash-attn-4": FA4_BLOCK_SIZE}.get(
+        name, DEFAULT_BLOCK_SIZE
+    )
 
 
 def choose(requested: str, platform: Platform, block_size: int | None = None) -> AttentionChoice:
     """The backend for `requested` (`auto` or a name) and the KV block size it runs with."""
     if requested != "auto":
         if requested not in NAMES:
-            raise BackendUnavailableError(f"--attention-backend must be one of auto, {', '.join(NAMES)}; got {requested!r}")
+            raise BackendUnavailableError(
+                f"--attention-backend must be one of auto, {', '.join(NAMES)}; got {requested!r}"
+            )
         reason = _unfit(requested, platform, block_size)
         if reason is not None:
             raise BackendUnavailableError(f"--attention-backend {requested}: {reason}")
-        return AttentionChoice(requested, "forced by --attention-backend", _block_size(requested, block_size))
+        return AttentionChoice(
+            requested, "forced by --attention-backend", _block_size(requested, block_size)
+        )
     passed_over = []
-    for name in ("cpu",) if platform.capability is None else ("flash-attn-4", "flash-attn", "triton"):
+    for name in (
+        ("cpu",) if platform.capability is None else ("flash-attn-4", "flash-attn", "triton")
+    ):
         reason = _unfit(name, platform, block_size)
         if reason is None:
-            why = "the fastest that can run here" + (f" ({'; '.join(passed_over)})" if passed_over else "")
+            why = "the fastest that can run here" + (
+                f" ({'; '.join(passed_over)})" if passed_over else ""
+            )
             return AttentionChoice(name, why, _block_size(name, block_size))
         passed_over.append(f"not {name}: {reason}")
-    return AttentionChoice("torch", "the reference backend, slow (" + "; ".join(passed_over) + ")",
-                           _block_size("torch", block_size))
+    return AttentionChoice(
+        "torch",
+        "the reference backend, slow (" + "; ".join(passed_over) + ")",
+        _block_size("torch", block_size),
+    )
 
 
 def build_backend(name: str) -> AttentionBackend:

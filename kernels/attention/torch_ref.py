@@ -58,7 +58,9 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
         pos = torch.arange(max_len, device=device)
         valid = pos.unsqueeze(0) < lens.unsqueeze(1)
         tables = meta.block_tables[decode].long()
-        slots = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(decode), -1))
+        slots = tables.gather(
+            1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(decode), -1)
+        )
         decode_slots = torch.where(valid, slots * block_size + pos % block_size, 0)
         decode_mask = valid[:, None, None, :]
         decode_rows = torch.tensor([starts[i] for i in decode], device=device)
@@ -69,7 +71,11 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
             mask = None
             if ctx != q_len:
                 mask = visible_keys(q_len, ctx, device)
-            prefills.append(_Prefill(starts[i], q_len, context_slots(meta.block_tables[i], ctx, block_size), mask))
+            prefills.append(
+                _Prefill(
+                    starts[i], q_len, context_slots(meta.block_tables[i], ctx, block_size), mask
+                )
+            )
     return _Plan(decode_rows, decode_slots, decode_mask, prefills)
 
 
@@ -111,7 +117,10 @@ class TorchReferenceBackend:
                 q[rows].transpose(0, 1),
                 k_flat.index_select(0, p.slots).transpose(0, 1),
                 v_flat.index_select(0, p.slots).transpose(0, 1),
-                attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True,
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
             out[rows] = attn.transpose(0, 1)
         return out

@@ -25,5 +25,13 @@ class TritonBackend:
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         max_query_len = max(meta.query_lens, default=0)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seqlens_k,
-                               max_query_len, scale)
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seqlens_k,
+            max_query_len,
+            scale,
+        )

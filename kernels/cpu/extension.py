@@ -24,7 +24,13 @@ def build(source: str, name: str, extra_flags: tuple[str, ...] = ()) -> ModuleTy
     # torch's loader runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which a virtual environment used without activating it does not put on PATH.
     bin_dir = str(Path(sys.executable).parent)
-    if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+    if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(
+        os.pathsep
+    ):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return load(name=name, sources=[str(Path(__file__).with_name(source))], extra_cflags=[*FLAGS, *extra_flags],
-                verbose=False)
+    return load(
+        name=name,
+        sources=[str(Path(__file__).with_name(source))],
+        extra_cflags=[*FLAGS, *extra_flags],
+        verbose=False,
+    )

@@ -23,8 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _module.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x) for contiguous [tokens, hidden] tensors."""
     normed, summed = _module.add_rms_norm(x, residual, weight, eps)
     return normed, summed

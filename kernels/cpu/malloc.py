@@ -35,6 +35,9 @@ def keep_freed_memory() -> str | None:
     except (OSError, AttributeError):
         return f"{name} has no mallopt (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+    if (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
+        or mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1
+    ):
         return "mallopt refused the thresholds"
     return None

@@ -12,7 +12,11 @@ import torch.nn.functional as F
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -20,8 +24,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
-           bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one (then `weight` may be None)."""
     if packed is None:
         return F.linear(x, weight, bias)

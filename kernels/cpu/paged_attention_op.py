@@ -24,4 +24,6 @@ def paged_attention(
     """Writes into `out` [tokens, heads, dim] the causal attention of every query row of `q`
     over its request's cached keys (all contiguous; tables and lengths int32). The rows of
     requests with more than `max_query_len` query rows are not written."""
-    _module.paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, max_query_len)
+    _module.paged_attention(
+        out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, max_query_len
+    )

@@ -16,10 +16,19 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, cu_seqlens_q_ptr, seqlens_k_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    seqlens_k_ptr,
     scale,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_table,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_table,
     QUERIES_PER_KV: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -42,8 +51,11 @@ def _paged_attention_kernel(
         dim_ok = offs_d < HEAD_DIM
         row_ok = offs_m < q_len
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         q_pos = ctx_len - q_len + offs_m
         # The last row of this tile sees keys up to its own position.
         hi = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_M)
@@ -53,7 +65,9 @@ def _paged_attention_kernel(
         for start in range(0, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < hi
-            block = tl.load(block_tables_ptr + req * stride_table + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
+            block = tl.load(
+                block_tables_ptr + req * stride_table + offs_n // BLOCK_SIZE, mask=key_ok, other=0
+            )
             slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
             kv = slot[:, None] * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
             k = tl.load(k_cache_ptr + kv, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -67,8 +81,11 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
 def paged_attention(
@@ -94,9 +111,26 @@ def paged_attention(
     block_n = 64 if block_d <= 128 else 32  # keeps a K and a V tile in registers at head_dim 256
     grid = (triton.cdiv(max_query_len, block_m), heads, num_reqs)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seqlens_k, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        QUERIES_PER_KV=heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        QUERIES_PER_KV=heads // kv_heads,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

@@ -9,8 +9,13 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_k, stride_v,  # between tokens; within a token, heads x dims are contiguous
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k,
+    stride_v,  # between tokens; within a token, heads x dims are contiguous
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,  # ROW rounded up to a power of two
 ):
@@ -25,8 +30,13 @@ def _store_kv_kernel(
         tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] (token rows may be strided, as a slice of a fused
     qkv projection is); caches: [num_blocks, block_size, kv_heads, head_dim], contiguous."""
     num_tokens, heads, dim = k.shape
@@ -36,5 +46,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     row = heads * dim
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row)
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
     )
