@@ -187,7 +187,7 @@ class AsyncEngine:
             self.error = exc
             self._close(EngineDeadError(self.dead_reason(), failed=True))
         else:
-            for request_id in list(self.engine.groups):
+            for request_id in list(self.engine.requests):
                 output = self.engine.abort_request(request_id)
                 if output is not None:
                     self._deliver(output)

@@ -1,4 +1,4 @@
-"""Per-request block tables over the block pool, with prefix caching and copy-on-write.
+"""Per-sequence block tables over the block pool, with prefix caching and copy-on-write.
 
 A full block is identified by a chained hash: hash(parent block's hash, this block's tokens),
 so equal hashes mean equal whole prefixes. Blocks are registered in the cache as soon as they
@@ -12,7 +12,7 @@ import hashlib
 from array import array
 
 from engine.block_pool import BlockHash, BlockPool
-from engine.request import Request
+from engine.sequence import Sequence
 
 
 def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
@@ -33,28 +33,26 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def block_table(self, request: Request) -> list[int]:
-        return self.tables.get(request.request_id, [])
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables.get(seq.seq_id, [])
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        hashes = self._hashes.setdefault(request.request_id, [])
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(
-                chain_hash(
-                    hashes[-1] if hashes else b"", request.all_token_ids[i * bs : (i + 1) * bs]
-                )
+                chain_hash(hashes[-1] if hashes else b"", seq.all_token_ids[i * bs : (i + 1) * bs])
             )
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """The longest cached run of the request's full blocks. The last token is never taken
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest cached run of the sequence's full blocks. The last token is never taken
         from the cache: its logits are needed to sample."""
-        if not self.enable_caching or request.wants_prompt_logprobs:
+        if not self.enable_caching or seq.wants_prompt_logprobs:
             return []
         hits = []
-        for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -62,15 +60,15 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus the prefix
-        hits in `computed_blocks`, for a request being admitted). False, with nothing changed,
+        hits in `computed_blocks`, for a sequence being admitted). False, with nothing changed,
         when the pool is too short."""
         computed_blocks = computed_blocks or []
         bs = self.block_size
-        table = self.tables.setdefault(request.request_id, [])
-        start = request.num_computed_tokens + len(computed_blocks) * bs
+        table = self.tables.setdefault(seq.seq_id, [])
+        start = seq.num_computed_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
         num_new_blocks = max(0, -(-end // bs) - len(table) - len(computed_blocks))
         # The first block written may be a partial block shared with a forked sibling.
@@ -92,37 +90,37 @@ class KVCacheManager:
             self.pool.release([shared])
             table[start // bs] = private
         table.extend(self.pool.allocate(num_new_blocks))
-        self._register_full_blocks(request, table, end // bs)
+        self._register_full_blocks(seq, table, end // bs)
         return True
 
-    def _register_full_blocks(self, request: Request, table: list[int], num_full: int) -> None:
+    def _register_full_blocks(self, seq: Sequence, table: list[int], num_full: int) -> None:
         if not self.enable_caching:
             return
-        done = self._num_registered.get(request.request_id, 0)
+        done = self._num_registered.get(seq.seq_id, 0)
         if num_full <= done:
             return
-        hashes = self._block_hashes(request, num_full)
+        hashes = self._block_hashes(seq, num_full)
         for i in range(done, num_full):
             self.pool.cache(table[i], hashes[i])
-        self._num_registered[request.request_id] = num_full
+        self._num_registered[seq.seq_id] = num_full
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (shared, ref counted); writes copy on demand."""
-        table = list(self.tables[parent.request_id])
+        table = list(self.tables[parent.seq_id])
         for block_id in table:
             self.pool.take(block_id)
-        self.tables[child.request_id] = table
+        self.tables[child.seq_id] = table
         num_prompt_blocks = child.num_prompt_tokens // self.block_size
-        self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:num_prompt_blocks]
-        self._num_registered[child.request_id] = min(
-            self._num_registered.get(parent.request_id, 0), num_prompt_blocks
+        self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:num_prompt_blocks]
+        self._num_registered[child.seq_id] = min(
+            self._num_registered.get(parent.seq_id, 0), num_prompt_blocks
         )
 
-    def free(self, request: Request) -> None:
-        table = self.tables.pop(request.request_id, [])
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, [])
         self.pool.release(table[::-1])
-        self._hashes.pop(request.request_id, None)
-        self._num_registered.pop(request.request_id, None)
+        self._hashes.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

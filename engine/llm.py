@@ -8,6 +8,7 @@ from config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from engine.tokenization import encode_chat
 
 Prompt = str | list[int]
@@ -17,6 +18,9 @@ Message = dict[str, object]
 class LLM:
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+        # What the engine measured during the last generate() call (preemptions, prefix-cache
+        # hits, latencies): offline runs publish no metrics, so this is where they can be read.
+        self.last_run_stats = EngineStats()
 
     @property
     def tokenizer(self):
@@ -64,7 +68,7 @@ class LLM:
             for output in self.engine.step():
                 if output.finished:
                     final[output.request_id] = output
-        self.engine.take_stats()  # offline runs publish no metrics: drop what the steps measured
+        self.last_run_stats = self.engine.take_stats()
         return [final[i] for i in ids]
 
     def chat(

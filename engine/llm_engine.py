@@ -19,11 +19,12 @@ from engine.model_loader import load_hf_config, resolve_device, resolve_dtype, r
 from engine.model_runner import kv_bytes_per_block
 from engine.models.llama import head_dim_of
 from engine.models.registry import resolve_architecture
-from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
+from engine.output_processor import check_stop, make_output, update_text
 from engine.outputs import RequestOutput
 from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
 from engine.parallel.shard import check_shardable
-from engine.request import Request, RequestStatus
+from engine.request import Request, SequenceText
+from engine.sequence import Sequence, SequenceStatus
 from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -108,10 +109,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
-        self.groups: dict[str, RequestGroup] = {}
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
-        self._counted = (0, 0, 0)  # scheduler counters at the previous take_stats()
 
     # ----------------------------------------------------------------- requests in
 
@@ -170,7 +170,7 @@ class LLMEngine:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
         prompt is then not tokenized again)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.groups:
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(prompt_ids, params)
@@ -181,20 +181,20 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
             sequences.append(
-                Request(
-                    request_id=request_id if i == 0 else f"{request_id}#{i}",
-                    group_id=request_id,
+                Sequence(
+                    seq_id=request_id if i == 0 else f"{request_id}#{i}",
+                    request_id=request_id,
                     index=i,
                     prompt_token_ids=prompt_ids,
                     params=params,
                     arrival_time=arrival,
                     eos_token_id=self.tokenizer.eos_token_id,
                     generator=generator,
-                    status=RequestStatus.WAITING if i == 0 else RequestStatus.AWAITING_FORK,
+                    status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
                 )
             )
         sequences[0].forks = sequences[1:]
-        group = RequestGroup(
+        request = Request(
             request_id,
             prompt if isinstance(prompt, str) else None,
             prompt_ids,
@@ -207,24 +207,24 @@ class LLMEngine:
             ],
             arrival_time=arrival,
         )
-        self.groups[request_id] = group
+        self.requests[request_id] = request
         self.scheduler.add(sequences[0])
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; its last output, or None if unknown."""
-        group = self.groups.pop(request_id, None)
-        if group is None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
             return None
-        for seq in group.sequences:
+        for seq in request.sequences:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        self._record_finish(group, time.time())
-        return make_output(group)
+        self._record_finish(request, time.time())
+        return make_output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.requests)
 
     def check_health(self) -> None:
         """Raise if the engine can no longer step (a tensor-parallel worker is gone)."""
@@ -243,75 +243,75 @@ class LLMEngine:
         now = time.time()
         self._stats.iteration_tokens.append(sum(s.num_new_tokens for s in out.scheduled))
         for s in out.scheduled:
-            group = self.groups[s.request.group_id]
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = now
+            request = self.requests[s.seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
         batch = build_step_batch(out, self.block_size)
         logits = self.executor.execute(batch.host)
 
         rows: list[torch.Tensor] = []
-        to_sample: list[Request] = []
+        to_sample: list[Sequence] = []
         for s, (first, count) in zip(out.scheduled, batch.logits_rows):
-            request = s.request
-            if request.wants_prompt_logprobs:
-                self._record_prompt_logprobs(request, logits[first : first + count])
-            samples = s.samples
-            request.num_computed_tokens += s.num_new_tokens
-            if not samples:
+            seq = s.seq
+            if seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, logits[first : first + count])
+            samples_token = s.samples_token
+            seq.num_computed_tokens += s.num_new_tokens
+            if not samples_token:
                 continue
             row = logits[first + count - 1]
-            for seq in [request, *self.scheduler.fork(request)]:
+            for sampled in [seq, *self.scheduler.fork(seq)]:
                 rows.append(row)
-                to_sample.append(seq)
+                to_sample.append(sampled)
         if not to_sample:
             return []
 
-        touched: dict[str, RequestGroup] = {}
+        touched: dict[str, Request] = {}
         samples = self.sampler(torch.stack(rows), to_sample)
         now = time.time()
-        for request, sample in zip(to_sample, samples):
-            self._record_token(request, now)
-            request.append_token(sample.token_id)
-            if request.logprobs is not None:
-                request.logprobs.append(sample.logprobs)
-            check_stop(request, sample.token_id, self.max_model_len)
-            group = self.groups[request.group_id]
-            update_text(request, group.texts[request.index], sample.token_id)
-            if request.finish_reason is not None:
-                self.scheduler.finish(request)
-            touched[group.request_id] = group
+        for seq, sample in zip(to_sample, samples):
+            self._record_token(seq, now)
+            seq.append_token(sample.token_id)
+            if seq.logprobs is not None:
+                seq.logprobs.append(sample.logprobs)
+            check_stop(seq, sample.token_id, self.max_model_len)
+            request = self.requests[seq.request_id]
+            update_text(seq, request.texts[seq.index], sample.token_id)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[request.request_id] = request
 
         outputs = []
-        for group in touched.values():
-            outputs.append(make_output(group))
-            if group.finished:
-                self._record_finish(group, now)
-                del self.groups[group.request_id]
+        for request in touched.values():
+            outputs.append(make_output(request))
+            if request.finished:
+                self._record_finish(request, now)
+                del self.requests[request.request_id]
         return outputs
 
     # ----------------------------------------------------------------- statistics
 
-    def _record_token(self, request: Request, now: float) -> None:
+    def _record_token(self, seq: Sequence, now: float) -> None:
         stats = self._stats
-        group = self.groups[request.group_id]
+        request = self.requests[seq.request_id]
         stats.generation_tokens += 1
-        if group.first_token_time is None:
-            group.first_token_time = now
-            stats.time_to_first_token.append(now - group.arrival_time)
-            stats.prompt_tokens += len(group.prompt_token_ids)
-        elif request.last_token_time is not None:  # a fork's first token is not a gap
-            stats.inter_token_latency.append(now - request.last_token_time)
-        request.last_token_time = now
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats.time_to_first_token.append(now - request.arrival_time)
+            stats.prompt_tokens += len(request.prompt_token_ids)
+        elif seq.last_token_time is not None:  # a fork's first token is not a gap
+            stats.inter_token_latency.append(now - seq.last_token_time)
+        seq.last_token_time = now
 
-    def _record_finish(self, group: RequestGroup, now: float) -> None:
-        first_token, scheduled = group.first_token_time, group.first_scheduled_time
+    def _record_finish(self, request: Request, now: float) -> None:
+        first_token, scheduled = request.first_token_time, request.first_scheduled_time
         self._stats.finished.append(
             FinishedRequest(
-                finish_reason=group.sequences[0].finish_reason or "abort",
-                num_prompt_tokens=len(group.prompt_token_ids),
-                num_generation_tokens=sum(seq.num_output_tokens for seq in group.sequences),
-                e2e_latency=now - group.arrival_time,
-                queue_time=None if scheduled is None else scheduled - group.arrival_time,
+                finish_reason=request.sequences[0].finish_reason or "abort",
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_generation_tokens=sum(seq.num_output_tokens for seq in request.sequences),
+                e2e_latency=now - request.arrival_time,
+                queue_time=None if scheduled is None else scheduled - request.arrival_time,
                 prefill_time=None
                 if first_token is None or scheduled is None
                 else first_token - scheduled,
@@ -323,27 +323,22 @@ class LLMEngine:
         """What happened since the previous call, with the running/waiting/KV state now."""
         stats, self._stats = self._stats, EngineStats()
         scheduler = self.scheduler
-        counters = (
-            scheduler.num_preemptions,
-            scheduler.prefix_cache_queries,
-            scheduler.prefix_cache_hits,
-        )
-        stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = (
-            current - before for current, before in zip(counters, self._counted)
-        )
-        self._counted = counters
+        counters = scheduler.take_counters()
+        stats.num_preemptions = counters.num_preemptions
+        stats.prefix_cache_queries = counters.prefix_cache_queries
+        stats.prefix_cache_hits = counters.prefix_cache_hits
         stats.num_running = len(scheduler.running)
         stats.num_waiting = len(scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage()
         return stats
 
-    def _record_prompt_logprobs(self, request: Request, rows: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
         """Row j of this chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
-        assert request.prompt_logprobs is not None
+        assert seq.prompt_logprobs is not None
         logprobs = torch.log_softmax(rows, dim=-1)
-        top_n = request.params.prompt_logprobs or 0
+        top_n = seq.params.prompt_logprobs or 0
         for j in range(rows.shape[0]):
-            target = request.num_computed_tokens + j + 1
-            if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
-                token = request.prompt_token_ids[target]
-                request.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))
+            target = seq.num_computed_tokens + j + 1
+            if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
+                token = seq.prompt_token_ids[target]
+                seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))

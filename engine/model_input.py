@@ -20,7 +20,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # rows whose logits are needed, in request order
+    logits_indices: torch.Tensor  # rows whose logits are needed, in scheduled order
     block_copies: list[tuple[int, int]]
 
 
@@ -155,7 +155,7 @@ class PinnedUpload:
 @dataclass
 class StepBatch:
     host: HostBatch
-    # Per scheduled request, its rows in the logits: (first, count); count 0 when none.
+    # Per scheduled sequence, its rows in the logits: (first, count); count 0 when none.
     logits_rows: list[tuple[int, int]]
 
 
@@ -168,10 +168,10 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     logits_indices: list[int] = []
     logits_rows: list[tuple[int, int]] = []
     for s in out.scheduled:
-        req = s.request
-        start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+        seq = s.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
         row0 = len(input_ids)
-        input_ids.extend(req.all_token_ids[start:end])
+        input_ids.extend(seq.all_token_ids[start:end])
         positions.extend(range(start, end))
         table = s.block_table
         slots.extend(
@@ -180,10 +180,10 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         query_lens.append(end - start)
         context_lens.append(end)
         first = len(logits_indices)
-        if req.wants_prompt_logprobs:
+        if seq.wants_prompt_logprobs:
             # Every row of the chunk: row p predicts token p + 1 of the prompt.
             logits_indices.extend(range(row0, row0 + end - start))
-        elif s.samples:
+        elif s.samples_token:
             logits_indices.append(row0 + end - start - 1)
         logits_rows.append((first, len(logits_indices) - first))
 

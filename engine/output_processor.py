@@ -2,65 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request
+from engine.request import Request, SequenceText
+from engine.sequence import Sequence
 
 
-@dataclass
-class SequenceText:
-    """The text of one sample and how much of it has been handed out."""
-
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    sent_chars: int = 0
-    sent_tokens: int = 0
-
-
-@dataclass
-class RequestGroup:
-    """The n samples of one user request."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[Request]
-    texts: list[SequenceText] = field(default_factory=list)
-    # Engine timestamps (time.time()) for the latency metrics.
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.sequences)
-
-
-def check_stop(request: Request, token_id: int, max_model_len: int) -> None:
+def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> None:
     """Token-level stop conditions, checked after `token_id` was appended."""
-    params = request.params
+    params = seq.params
     if token_id in params.stop_token_ids:
-        request.finish_reason, request.stop_reason = "stop", token_id
-    elif token_id == request.eos_token_id and not params.ignore_eos:
-        request.finish_reason = "stop"
-    elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        request.finish_reason = "length"
-    elif request.num_tokens >= max_model_len:
-        request.finish_reason = "length"
+        seq.finish_reason, seq.stop_reason = "stop", token_id
+    elif token_id == seq.eos_token_id and not params.ignore_eos:
+        seq.finish_reason = "stop"
+    elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        seq.finish_reason = "length"
+    elif seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"
 
 
-def update_text(request: Request, seq: SequenceText, token_id: int) -> None:
+def update_text(seq: Sequence, text: SequenceText, token_id: int) -> None:
     """Detokenize the new token (unless it ended the sequence as a stop token) and look for
     stop strings, including ones that span several tokens."""
-    params = request.params
-    stopped_by_token = request.finish_reason == "stop"
-    checked = len(seq.text)  # text before this token was already searched
+    params = seq.params
+    stopped_by_token = seq.finish_reason == "stop"
+    checked = len(text.text)  # text before this token was already searched
     if not stopped_by_token:
-        seq.text += seq.detokenizer.add(token_id)
-    if request.finish_reason is not None:
-        seq.text += seq.detokenizer.flush()  # an incomplete character held back, as decode shows it
+        text.text += text.detokenizer.add(token_id)
+    if seq.finish_reason is not None:
+        text.text += (
+            text.detokenizer.flush()
+        )  # an incomplete character held back, as decode shows it
     if not params.stop_strings or stopped_by_token:
         return
     # Only the new text, plus enough before it to catch a stop string spanning the boundary.
@@ -68,23 +39,23 @@ def update_text(request: Request, seq: SequenceText, token_id: int) -> None:
     window_start = max(0, checked - longest + 1)
     best: tuple[int, str] | None = None
     for stop in params.stop_strings:
-        idx = seq.text.find(stop, window_start)
+        idx = text.text.find(stop, window_start)
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     if best is not None:
         idx, stop = best
-        seq.text = (
-            seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+        text.text = (
+            text.text[: idx + len(stop)] if params.include_stop_str_in_output else text.text[:idx]
         )
-        request.finish_reason, request.stop_reason = "stop", stop
+        seq.finish_reason, seq.stop_reason = "stop", stop
 
 
-def make_output(group: RequestGroup) -> RequestOutput:
-    """The group's state now, with what is new since the previous output as deltas. While a
+def make_output(request: Request) -> RequestOutput:
+    """The request's state now, with what is new since the previous output as deltas. While a
     sample runs, the last (longest stop string - 1) characters are held back: they may yet turn
     out to begin a stop string that must not be shown."""
     outputs = []
-    for seq, text in zip(group.sequences, group.texts):
+    for seq, text in zip(request.sequences, request.texts):
         hold = 0
         if (
             not seq.is_finished
@@ -109,13 +80,13 @@ def make_output(group: RequestGroup) -> RequestOutput:
             )
         )
     return RequestOutput(
-        request_id=group.request_id,
-        prompt=group.prompt,
-        prompt_token_ids=group.prompt_token_ids,
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
         outputs=outputs,
-        finished=group.finished,
+        finished=request.finished,
         # The sample that ran the prompt; a copy, since the engine thread goes on appending to it.
-        prompt_logprobs=list(group.sequences[0].prompt_logprobs)
-        if group.sequences[0].prompt_logprobs is not None
+        prompt_logprobs=list(request.sequences[0].prompt_logprobs)
+        if request.sequences[0].prompt_logprobs is not None
         else None,
     )

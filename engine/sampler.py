@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import PositionLogprobs
-from engine.request import Request
+from engine.sequence import Sequence
 from engine.sampling_params import SamplingParams
 
 
@@ -96,32 +96,32 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 class Sampler:
     def __init__(self, seed: int) -> None:
-        # Unseeded requests share this generator; seeded ones carry their own.
+        # Unseeded sequences share this generator; seeded ones carry their own.
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
-        """One token per row; row i belongs to requests[i]."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
+        """One token per row; row i belongs to seqs[i]."""
         raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
+        if any(r.params.logprobs is not None for r in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         samples = []
-        for i, request in enumerate(requests):
-            token = self._sample_row(logits[i], request)
+        for i, seq in enumerate(seqs):
+            token = self._sample_row(logits[i], seq)
             lp = None
-            if raw_logprobs is not None and request.params.logprobs is not None:
-                lp = position_logprobs(raw_logprobs[i], token, request.params.logprobs)
+            if raw_logprobs is not None and seq.params.logprobs is not None:
+                lp = position_logprobs(raw_logprobs[i], token, seq.params.logprobs)
             samples.append(Sample(token, lp))
         return samples
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
-        params = request.params
+    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+        params = seq.params
         if params.logit_bias or params.uses_penalties:
             row = row.clone()
             if params.logit_bias:
                 apply_logit_bias(row, params.logit_bias)
             if params.uses_penalties:
-                apply_penalties(row, params, request.prompt_token_ids, request.output_token_ids)
+                apply_penalties(row, params, seq.prompt_token_ids, seq.output_token_ids)
         if params.greedy:
             return int(row.argmax())
         row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
-        return draw(torch.softmax(row, dim=-1).cpu(), request.generator or self.generator)
+        return draw(torch.softmax(row, dim=-1).cpu(), seq.generator or self.generator)

@@ -1,9 +1,9 @@
 """One token budget per step, no separate prefill and decode phases.
 
-Every running request advances its `num_computed_tokens` toward its token count (a prompt
-chunk or one decode token), running requests first, then waiting ones in arrival order, each
-chunked to what the budget leaves. When the pool cannot hold a running request's next tokens,
-the most recently admitted request is preempted (its blocks freed, recomputed later from the
+Every running sequence advances its `num_computed_tokens` toward its token count (a prompt
+chunk or one decode token), running sequences first, then waiting ones in arrival order, each
+chunked to what the budget leaves. When the pool cannot hold a running sequence's next tokens,
+the most recently admitted sequence is preempted (its blocks freed, recomputed later from the
 head of the queue), and nothing new is admitted in that step.
 """
 
@@ -14,30 +14,39 @@ from dataclasses import dataclass, field
 
 from config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
+class ScheduledSequence:
+    seq: Sequence
     num_new_tokens: int
     block_table: list[int]
 
     @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def samples_token(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerCounters:
+    """What the scheduler counted since the counters were last taken."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # in tokens, as the metrics count them
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -45,14 +54,17 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # in tokens, as the metrics count them
-        self.prefix_cache_hits = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def take_counters(self) -> SchedulerCounters:
+        """The counts since the previous call; counting starts again from zero."""
+        counters, self.counters = self.counters, SchedulerCounters()
+        return counters
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,25 +75,25 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim)
                 out.preempted.append(victim)
-                if victim is request:
+                if victim is seq:
                     break
             else:
-                scheduled[request.request_id] = num_new
+                scheduled[seq.seq_id] = num_new
                 budget -= num_new
                 i += 1
 
         if not out.preempted:
             self._admit(budget, scheduled)
 
-        by_id = {r.request_id: r for r in self.running}
+        by_id = {r.seq_id: r for r in self.running}
         out.scheduled = [
-            ScheduledRequest(by_id[rid], n, self.kv.block_table(by_id[rid]))
+            ScheduledSequence(by_id[rid], n, self.kv.block_table(by_id[rid]))
             for rid, n in scheduled.items()
         ]
         out.block_copies = self.kv.take_pending_copies()
@@ -93,53 +105,53 @@ class Scheduler:
             and budget > 0
             and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs
         ):
-            request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request)  # a waiting request has nothing computed
+            seq = self.waiting[0]
+            hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
             num_cached = len(hits) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(seq, num_new, hits):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            if request.num_preemptions == 0:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_cached
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens += num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled[request.request_id] = num_new
+            if seq.num_preemptions == 0:
+                self.counters.prefix_cache_queries += seq.num_tokens
+                self.counters.prefix_cache_hits += num_cached
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = num_new
             budget -= num_new
 
-    def _num_seqs_after_admitting(self, request: Request) -> int:
+    def _num_seqs_after_admitting(self, seq: Sequence) -> int:
         # Forked siblings join the running set when the prompt completes: their seats stay
-        # reserved from admission on, for the running requests' siblings as for this one's.
+        # reserved from admission on, for the running sequences' siblings as for this one's.
         reserved = sum(len(r.forks) for r in self.running)
-        return len(self.running) + reserved + 1 + len(request.forks)
+        return len(self.running) + reserved + 1 + len(seq.forks)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
-    def fork(self, parent: Request) -> list[Request]:
+    def fork(self, parent: Sequence) -> list[Sequence]:
         """Start the parent's siblings on its freshly computed prompt (called after sampling the
         parent's first token; each sibling then samples its own)."""
         children, parent.forks = parent.forks, []
         for child in children:
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens
-            child.status = RequestStatus.RUNNING
+            child.status = SequenceStatus.RUNNING
             self.running.append(child)
         return children
 
-    def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request and free its blocks (and any unforked siblings)."""
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.FINISHED
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks (and any unforked siblings)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -18,7 +18,7 @@ def inject_fault(after_steps: int) -> None:
 
     def faulty_step(self: LLMEngine):  # type: ignore[no-untyped-def]
         nonlocal steps
-        if len(self.groups) >= 2:
+        if len(self.requests) >= 2:
             steps += 1
             if steps > after_steps:
                 raise RuntimeError("injected fault")

@@ -135,7 +135,7 @@ class EngineState:
     waiting: int
     free_blocks: int
     num_blocks: int
-    groups: int
+    requests: int
 
 
 def engine_state(engine: AsyncEngine) -> EngineState:
@@ -147,7 +147,7 @@ def engine_state(engine: AsyncEngine) -> EngineState:
         len(scheduler.waiting),
         pool.num_free,
         pool.num_blocks,
-        len(inner.groups),
+        len(inner.requests),
     )
 
 
@@ -156,7 +156,11 @@ def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> EngineState:
     deadline = time.monotonic() + timeout
     while True:
         state = engine_state(engine)
-        if (state.running, state.waiting, state.groups) == (0, 0, 0) or time.monotonic() > deadline:
+        if (state.running, state.waiting, state.requests) == (
+            0,
+            0,
+            0,
+        ) or time.monotonic() > deadline:
             return state
         time.sleep(0.05)
 

@@ -75,7 +75,7 @@ def test_leaving_early_aborts_and_frees_blocks(llama_dir: Path) -> None:
 
         asyncio.run(main())
         state = wait_until_idle(engine)
-        assert (state.running, state.waiting, state.groups) == (0, 0, 0)
+        assert (state.running, state.waiting, state.requests) == (0, 0, 0)
         assert state.free_blocks == state.num_blocks
         # The engine goes on serving.
         outputs = asyncio.run(_collect(engine, PROMPTS[1], GREEDY, "after"))

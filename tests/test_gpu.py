@@ -86,7 +86,7 @@ def test_greedy_tokens_equal_transformers(llama_dir: Path) -> None:
     assert llm.engine.executor.runner.graphs is not None
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == want
-    assert llm.engine.scheduler.prefix_cache_hits > 0
+    assert llm.last_run_stats.prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -20,17 +20,15 @@ from hypothesis import strategies as st
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.sequence import Sequence
 from engine.sampling_params import SamplingParams
 from tests.models import finish_all
 
 ALPHABET = st.integers(0, 2)  # few distinct tokens, so prefixes repeat and the cache hits
 
 
-def make_request(
-    request_id: str, tokens: list[int], params: SamplingParams | None = None
-) -> Request:
-    return Request(request_id, request_id, 0, list(tokens), params or SamplingParams(), 0.0)
+def make_sequence(seq_id: str, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
+    return Sequence(seq_id, seq_id, 0, list(tokens), params or SamplingParams(), 0.0)
 
 
 class Sim:
@@ -41,9 +39,9 @@ class Sim:
         self.num_blocks = num_blocks
         self.bs = block_size
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.live: dict[str, Request] = {}  # sequences holding blocks
+        self.live: dict[str, Sequence] = {}  # sequences holding blocks
         self.waiting: list[
-            Request
+            Sequence
         ] = []  # never admitted, or preempted: no blocks, nothing computed
         self.history: list[
             list[int]
@@ -52,9 +50,9 @@ class Sim:
         self.num_hit_blocks = 0
         self.num_copies = 0
 
-    def new_request(self, tokens: list[int]) -> Request:
+    def new_sequence(self, tokens: list[int]) -> Sequence:
         self.history.append(list(tokens))
-        return make_request(f"r{next(self._ids)}", tokens)
+        return make_sequence(f"r{next(self._ids)}", tokens)
 
     def _state(self) -> tuple:
         pool = self.kv.pool
@@ -65,7 +63,7 @@ class Sim:
             list(self.kv.pending_copies),
         )
 
-    def run(self, req: Request, num_new: int, hits: list[int] | None = None) -> bool:
+    def run(self, req: Sequence, num_new: int, hits: list[int] | None = None) -> bool:
         """allocate_slots, then the forward pass that writes the new tokens' K/V."""
         hits = hits or []
         pool = self.kv.pool
@@ -81,7 +79,7 @@ class Sim:
             assert self._state() == before, "a failed allocate_slots changed state"
             return False
 
-        table = self.kv.tables[req.request_id]
+        table = self.kv.tables[req.seq_id]
         copies = self.kv.take_pending_copies()
         assert len(table) == -(-(start + num_new) // self.bs)
         assert table[: len(hits)] == hits
@@ -101,10 +99,10 @@ class Sim:
         for p in range(start, start + num_new):
             self.slots[table[p // self.bs]][p % self.bs] = req.all_token_ids[p]
         req.num_computed_tokens += num_new
-        self.live[req.request_id] = req
+        self.live[req.seq_id] = req
         return True
 
-    def admit(self, req: Request, chunk: int) -> None:
+    def admit(self, req: Sequence, chunk: int) -> None:
         hits = self.kv.get_computed_blocks(req)
         if not self.kv.enable_caching:
             assert hits == []
@@ -117,24 +115,24 @@ class Sim:
         else:
             self.waiting.append(req)
 
-    def fork(self, parent: Request) -> None:
+    def fork(self, parent: Sequence) -> None:
         # Like n > 1: the child starts from everything the parent has computed.
         assert parent.num_computed_tokens == parent.num_tokens
-        child = self.new_request(parent.all_token_ids)
-        refs = [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[parent.request_id]]
+        child = self.new_sequence(parent.all_token_ids)
+        refs = [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[parent.seq_id]]
         self.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
-        assert self.kv.tables[child.request_id] == self.kv.tables[parent.request_id]
-        assert [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[child.request_id]] == [
+        assert self.kv.tables[child.seq_id] == self.kv.tables[parent.seq_id]
+        assert [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[child.seq_id]] == [
             r + 1 for r in refs
         ]
-        self.live[child.request_id] = child
+        self.live[child.seq_id] = child
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sequence) -> None:
         self.kv.free(req)
-        del self.live[req.request_id]
+        del self.live[req.seq_id]
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Sequence) -> None:
         self.free(req)
         req.num_computed_tokens = 0
         self.waiting.append(req)
@@ -155,13 +153,13 @@ class Sim:
         assert pool.num_free + len(holders) == self.num_blocks
         assert pool.num_free == sum(1 for b in pool.blocks if b.ref_cnt == 0)
         for req in self.live.values():
-            table = self.kv.tables[req.request_id]
+            table = self.kv.tables[req.seq_id]
             assert len(table) == -(-req.num_computed_tokens // self.bs)
             seen = [
                 self.slots[table[p // self.bs]][p % self.bs] for p in range(req.num_computed_tokens)
             ]
             assert seen == req.all_token_ids[: req.num_computed_tokens], (
-                f"{req.request_id} reads wrong K/V"
+                f"{req.seq_id} reads wrong K/V"
             )
         for req in self.waiting:
             assert req.num_computed_tokens == 0 and not self.kv.block_table(req)
@@ -202,13 +200,13 @@ def test_random_operations_keep_tables_pool_and_contents_consistent(
         ]
         if op == "new" or (op == "new_shared" and not sim.history):
             tokens = data.draw(st.lists(ALPHABET, min_size=1, max_size=12))
-            sim.admit(sim.new_request(tokens), data.draw(st.integers(1, 12)))
+            sim.admit(sim.new_sequence(tokens), data.draw(st.integers(1, 12)))
         elif op == "new_shared":
             # A prefix of an earlier sequence plus a fresh tail: a likely prefix-cache hit.
             base = data.draw(st.sampled_from(sim.history))
             cut = data.draw(st.integers(0, len(base)))
             tokens = base[:cut] + data.draw(st.lists(ALPHABET, min_size=1, max_size=4))
-            sim.admit(sim.new_request(tokens), data.draw(st.integers(1, 16)))
+            sim.admit(sim.new_sequence(tokens), data.draw(st.integers(1, 16)))
         elif op == "admit_waiting" and sim.waiting:
             req = sim.waiting.pop(data.draw(st.integers(0, len(sim.waiting) - 1)))
             sim.admit(req, data.draw(st.integers(1, 16)))
@@ -242,13 +240,13 @@ def test_random_operations_keep_tables_pool_and_contents_consistent(
 def test_property_workload_really_hits_the_cache_and_copies() -> None:
     """The random workload is only a good test if hits and copies-on-write happen in it."""
     sim = Sim(num_blocks=12, block_size=2, caching=True)
-    first = sim.new_request([0, 1, 2, 0, 1])
+    first = sim.new_sequence([0, 1, 2, 0, 1])
     sim.admit(first, chunk=5)
     sim.check()
-    second = sim.new_request([0, 1, 2, 0, 2, 2])
+    second = sim.new_sequence([0, 1, 2, 0, 2, 2])
     sim.admit(second, chunk=16)
     sim.check()
-    assert sim.kv.tables[second.request_id][:2] == sim.kv.tables[first.request_id][:2]
+    assert sim.kv.tables[second.seq_id][:2] == sim.kv.tables[first.seq_id][:2]
     assert sim.num_hit_blocks == 2
     sim.fork(first)
     first.append_token(1)
@@ -263,29 +261,29 @@ def test_property_workload_really_hits_the_cache_and_copies() -> None:
 def test_a_repeated_prompt_hits_every_full_block_but_the_one_with_its_last_token() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
     tokens = list(range(8))
-    first = make_request("a", tokens)
+    first = make_sequence("a", tokens)
     assert kv.allocate_slots(first, 8)
     first.num_computed_tokens = 8
     # 8 tokens = 2 full blocks, but the second holds the last token: only 1 block is served.
-    again = make_request("b", tokens)
+    again = make_sequence("b", tokens)
     hits = kv.get_computed_blocks(again)
     assert hits == kv.tables["a"][:1]
     # One more token: both full blocks are served.
-    longer = make_request("c", tokens + [99])
+    longer = make_sequence("c", tokens + [99])
     assert kv.get_computed_blocks(longer) == kv.tables["a"][:2]
     # Same second block but a different first block: the chained hash misses from the start.
-    other = make_request("d", [7, 1, 2, 3, 4, 5, 6, 7, 8])
+    other = make_sequence("d", [7, 1, 2, 3, 4, 5, 6, 7, 8])
     assert kv.get_computed_blocks(other) == []
 
 
 def test_hits_survive_the_owner_finishing_and_are_revived_from_the_free_pool() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
-    first = make_request("a", list(range(9)))
+    first = make_sequence("a", list(range(9)))
     assert kv.allocate_slots(first, 9)
     full_blocks = kv.tables["a"][:2]
     kv.free(first)
     assert kv.pool.num_free == 4
-    second = make_request("b", list(range(8)) + [50, 51])
+    second = make_sequence("b", list(range(8)) + [50, 51])
     hits = kv.get_computed_blocks(second)
     assert hits == full_blocks
     second.num_computed_tokens = 0
@@ -299,10 +297,10 @@ def test_hits_survive_the_owner_finishing_and_are_revived_from_the_free_pool() -
 def test_revived_blocks_count_against_the_free_pool() -> None:
     """Taking a cached free block uses up a free block: admission must account for it."""
     kv = KVCacheManager(num_blocks=3, block_size=2, enable_caching=True)
-    first = make_request("a", [1, 2, 3, 4, 5])
+    first = make_sequence("a", [1, 2, 3, 4, 5])
     assert kv.allocate_slots(first, 5)
     kv.free(first)
-    second = make_request("b", [1, 2, 3, 4, 9, 9, 9])
+    second = make_sequence("b", [1, 2, 3, 4, 9, 9, 9])
     hits = kv.get_computed_blocks(second)
     assert len(hits) == 2
     # 2 revived + 2 new blocks for the 3 remaining tokens > 3 free blocks.
@@ -316,9 +314,9 @@ def test_revived_blocks_count_against_the_free_pool() -> None:
 def test_no_hits_when_caching_is_off_or_prompt_logprobs_are_wanted() -> None:
     for caching, params in ((False, SamplingParams()), (True, SamplingParams(prompt_logprobs=1))):
         kv = KVCacheManager(num_blocks=10, block_size=2, enable_caching=caching)
-        first = make_request("a", list(range(9)))
+        first = make_sequence("a", list(range(9)))
         assert kv.allocate_slots(first, 9)
-        assert kv.get_computed_blocks(make_request("b", list(range(9)), params)) == []
+        assert kv.get_computed_blocks(make_sequence("b", list(range(9)), params)) == []
 
 
 # ----------------------------------------------------------------- forks and copy-on-write
@@ -326,12 +324,12 @@ def test_no_hits_when_caching_is_off_or_prompt_logprobs_are_wanted() -> None:
 
 def forked_pair(
     prompt_len: int, num_blocks: int = 8, block_size: int = 4
-) -> tuple[KVCacheManager, Request, Request]:
+) -> tuple[KVCacheManager, Sequence, Sequence]:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
-    parent = make_request("p", list(range(prompt_len)))
+    parent = make_sequence("p", list(range(prompt_len)))
     assert kv.allocate_slots(parent, prompt_len)
     parent.num_computed_tokens = prompt_len
-    child = make_request("p#1", list(range(prompt_len)))
+    child = make_sequence("p#1", list(range(prompt_len)))
     kv.fork(parent, child)
     child.num_computed_tokens = prompt_len
     return kv, parent, child
@@ -394,14 +392,14 @@ def test_a_forked_child_registers_its_own_full_blocks() -> None:
     assert kv.allocate_slots(child, 1)
     kv.take_pending_copies()
     for req in (parent, child):
-        probe = make_request("probe-" + req.request_id, req.all_token_ids + [0])
-        assert kv.get_computed_blocks(probe) == kv.tables[req.request_id]
+        probe = make_sequence("probe-" + req.seq_id, req.all_token_ids + [0])
+        assert kv.get_computed_blocks(probe) == kv.tables[req.seq_id]
 
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_free_returns_every_block(caching: bool) -> None:
     kv = KVCacheManager(num_blocks=6, block_size=2, enable_caching=caching)
-    reqs = [make_request(str(i), [i] * n) for i, n in enumerate((3, 4, 4))]  # 2 + 2 + 2 blocks
+    reqs = [make_sequence(str(i), [i] * n) for i, n in enumerate((3, 4, 4))]  # 2 + 2 + 2 blocks
     for req in reqs:
         assert kv.allocate_slots(req, req.num_tokens)
     assert kv.pool.num_free == 0
@@ -456,14 +454,14 @@ def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Pa
     finish_all(cached)
     assert cached.kv.pool.num_free == 32  # first's blocks are free now, but still cached
     second_id, second_table = prefill(cached, second, params)
-    assert cached.scheduler.prefix_cache_hits == 3 * BLOCK
+    assert cached.scheduler.counters.prefix_cache_hits == 3 * BLOCK
     assert second_table[:3] == first_table[:3]
     served = prompt_kv(cached, second_table, len(second))
     cached_tokens = finish_all(cached)[second_id]
 
     fresh = make_engine(qwen3_dir, caching=False)
     fresh_id, fresh_table = prefill(fresh, second, params)
-    assert fresh.scheduler.prefix_cache_hits == 0
+    assert fresh.scheduler.counters.prefix_cache_hits == 0
     recomputed = prompt_kv(fresh, fresh_table, len(second))
     fresh_tokens = finish_all(fresh)[fresh_id]
 

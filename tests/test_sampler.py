@@ -12,23 +12,23 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.request import Request
+from engine.sequence import Sequence
 from engine.sampler import Sampler, apply_logit_bias, apply_penalties
 from engine.sampling_params import SamplingParams
 
 VOCAB = 50
 
 
-def make_request(
+def make_sequence(
     params: SamplingParams,
     prompt: list[int] | None = None,
     output: list[int] | None = None,
     seed: int | None = None,
-) -> Request:
+) -> Sequence:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    request = Request(
+    seq = Sequence(
+        seq_id="r",
         request_id="r",
-        group_id="r",
         index=0,
         prompt_token_ids=prompt or [0, 1, 2],
         params=params,
@@ -36,8 +36,8 @@ def make_request(
         generator=generator,
     )
     for token in output or []:
-        request.append_token(token)
-    return request
+        seq.append_token(token)
+    return seq
 
 
 def geometric_logits() -> torch.Tensor:
@@ -80,7 +80,7 @@ def expected_distribution(
 def draw(logits: torch.Tensor, params: SamplingParams, num_draws: int, seed: int) -> list[int]:
     """`num_draws` samples from one request's distribution, many rows per sampler call."""
     sampler = Sampler(seed=0)
-    request = make_request(params, seed=seed)
+    request = make_sequence(params, seed=seed)
     rows = 500
     tokens: list[int] = []
     while len(tokens) < num_draws:
@@ -219,7 +219,7 @@ def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logpro
             [top[2]] * 3,
         ),
     ]
-    requests = [make_request(p, prompt=prompt or None, output=out) for p, prompt, out in cases]
+    requests = [make_sequence(p, prompt=prompt or None, output=out) for p, prompt, out in cases]
     samples = Sampler(seed=0)(logits.clone(), requests)
 
     raw = torch.log_softmax(logits, dim=-1)

@@ -1,7 +1,7 @@
 """Scheduler over a real KVCacheManager, with no model: the step loop is simulated.
 
 Each simulated step advances `num_computed_tokens` by what was scheduled and appends a fake
-sampled token to every request whose ScheduledRequest samples (forking n > 1 siblings as the
+sampled token to every sequence whose ScheduledSequence samples a token (forking n > 1 siblings as the
 engine does). A shadow of the KV slots checks that the tables and block copies the scheduler
 hands out would make every sequence read back its own tokens.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -31,9 +31,9 @@ class Sim:
     sched: Scheduler = field(init=False)
     slots: list[list[int | None]] = field(init=False)
     max_tokens: dict[str, int] = field(default_factory=dict)
-    finished: list[Request] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
     steps: int = 0
-    # Which scheduled requests sampled in the last step (`samples` is only meaningful before
+    # Which scheduled requests sampled in the last step (`samples_token` is only meaningful before
     # num_computed_tokens advances).
     sampled: list[bool] = field(default_factory=list)
 
@@ -45,24 +45,24 @@ class Sim:
         self.sched = Scheduler(config, self.kv)
         self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
 
-    def add(self, group_id: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, n: int = 1) -> Sequence:
         """Queue a request the way the engine does: sample 0 waits, its siblings await the fork."""
         params = SamplingParams(n=n, max_tokens=max_tokens)
         seqs = [
-            Request(
-                group_id if i == 0 else f"{group_id}#{i}",
-                group_id,
+            Sequence(
+                request_id if i == 0 else f"{request_id}#{i}",
+                request_id,
                 i,
                 list(prompt),
                 params,
                 0.0,
-                status=RequestStatus.WAITING if i == 0 else RequestStatus.AWAITING_FORK,
+                status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
             )
             for i in range(n)
         ]
         seqs[0].forks = seqs[1:]
         for seq in seqs:
-            self.max_tokens[seq.request_id] = max_tokens
+            self.max_tokens[seq.seq_id] = max_tokens
         self.sched.add(seqs[0])
         return seqs[0]
 
@@ -79,20 +79,20 @@ class Sim:
             self.slots[dst] = list(self.slots[src])
         bs = self.block_size
         for s in out.scheduled:
-            req = s.request
+            req = s.seq
             for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
                 self.slots[s.block_table[p // bs]][p % bs] = req.all_token_ids[p]
 
-        self.sampled = [s.samples for s in out.scheduled]
+        self.sampled = [s.samples_token for s in out.scheduled]
         for s, samples in zip(out.scheduled, self.sampled):
-            req = s.request
+            req = s.seq
             req.num_computed_tokens += s.num_new_tokens
             if not samples:
                 continue
             for seq in [req, *sched.fork(req)]:
                 # Siblings sample different tokens, so their blocks must really diverge.
                 seq.append_token((seq.num_tokens * 7 + seq.index) % 5)
-                if seq.num_output_tokens >= self.max_tokens[seq.request_id]:
+                if seq.num_output_tokens >= self.max_tokens[seq.seq_id]:
                     sched.finish(seq)
                     self.finished.append(seq)
         assert len(sched.running) <= self.max_num_seqs
@@ -100,34 +100,34 @@ class Sim:
         return out
 
     def check_schedule(
-        self, out: SchedulerOutput, running_before: list[Request], waiting_before: list[Request]
+        self, out: SchedulerOutput, running_before: list[Sequence], waiting_before: list[Sequence]
     ) -> None:
         sched = self.sched
         assert out.num_tokens <= self.max_num_batched_tokens
         assert len(sched.running) <= self.max_num_seqs
         assert all(s.num_new_tokens >= 1 for s in out.scheduled)
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [s.seq.seq_id for s in out.scheduled]
         assert len(set(ids)) == len(ids)
 
         # Running requests first (in running order), then admissions from the head of the queue.
-        running_ids = [r.request_id for r in running_before]
+        running_ids = [r.seq_id for r in running_before]
         k = sum(1 for rid in ids if rid in running_ids)
         assert ids[:k] == [rid for rid in running_ids if rid in ids[:k]]
         admitted = ids[k:]
-        assert admitted == [r.request_id for r in waiting_before[: len(admitted)]], (
+        assert admitted == [r.seq_id for r in waiting_before[: len(admitted)]], (
             "admission out of FCFS order"
         )
 
         if out.preempted:
             # The most recently admitted requests are the victims; nothing new comes in.
-            victims = [r.request_id for r in out.preempted]
+            victims = [r.seq_id for r in out.preempted]
             assert admitted == []
             assert victims == running_ids[::-1][: len(victims)]
-            assert [r.request_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
+            assert [r.seq_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
             for victim in out.preempted:
                 assert victim.num_computed_tokens == 0
-                assert victim.status == RequestStatus.WAITING
-                assert victim.request_id not in ids
+                assert victim.status == SequenceStatus.WAITING
+                assert victim.seq_id not in ids
                 assert not self.kv.block_table(victim)
         else:
             # A running request is skipped only when the budget is spent.
@@ -135,22 +135,22 @@ class Sim:
                 assert out.num_tokens == self.max_num_batched_tokens
 
         for s in out.scheduled:
-            req = s.request
-            assert s.block_table == self.kv.tables[req.request_id]
+            req = s.seq
+            assert s.block_table == self.kv.tables[req.seq_id]
             assert (
                 len(s.block_table) * self.block_size >= req.num_computed_tokens + s.num_new_tokens
             )
             assert req.num_computed_tokens + s.num_new_tokens <= req.num_tokens
-            assert req.status == RequestStatus.RUNNING
+            assert req.status == SequenceStatus.RUNNING
         self.kv.check_consistency()
 
     def check_contents(self) -> None:
         bs = self.block_size
         for req in self.sched.running:
-            table = self.kv.tables[req.request_id]
+            table = self.kv.tables[req.seq_id]
             seen = [self.slots[table[p // bs]][p % bs] for p in range(req.num_computed_tokens)]
             assert seen == req.all_token_ids[: req.num_computed_tokens], (
-                f"{req.request_id} reads wrong K/V"
+                f"{req.seq_id} reads wrong K/V"
             )
 
     def run_to_completion(self, max_steps: int = 2000) -> None:
@@ -167,7 +167,7 @@ class Sim:
 
 
 def scheduled(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
 
 
 # ----------------------------------------------------------------- random workloads
@@ -217,10 +217,10 @@ def test_random_workloads_respect_every_limit_and_finish(
         sim.step()
     sim.check_all_free()
     # Every sequence of every group produced exactly max_tokens tokens.
-    assert sorted(r.request_id for r in sim.finished) == sorted(sim.max_tokens)
+    assert sorted(r.seq_id for r in sim.finished) == sorted(sim.max_tokens)
     for req in sim.finished:
-        assert req.num_output_tokens == sim.max_tokens[req.request_id]
-        assert req.status == RequestStatus.FINISHED
+        assert req.num_output_tokens == sim.max_tokens[req.seq_id]
+        assert req.status == SequenceStatus.FINISHED
 
 
 # ----------------------------------------------------------------- targeted behaviour
@@ -264,10 +264,10 @@ def test_a_waiting_request_never_overtakes_the_head_of_the_queue() -> None:
     sim.add("c", [1, 2], max_tokens=1)  # 1 block: would fit, but b is ahead
     out = sim.step()
     assert scheduled(out) == [("a", 1)]
-    assert [r.request_id for r in sim.sched.waiting] == ["b", "c"]
+    assert [r.seq_id for r in sim.sched.waiting] == ["b", "c"]
     assert sim.kv.pool.num_free == 1
     sim.run_to_completion()
-    order = [r.request_id for r in sim.finished]
+    order = [r.seq_id for r in sim.finished]
     assert order.index("b") < order.index("c")
 
 
@@ -278,7 +278,7 @@ def test_max_num_seqs_bounds_the_running_set() -> None:
     assert scheduled(sim.step()) == [("a", 3), ("b", 3)]
     out = sim.step()  # a finishes here
     assert scheduled(out) == [("a", 1), ("b", 1)]
-    assert [r.request_id for r in sim.sched.running] == ["b"]
+    assert [r.seq_id for r in sim.sched.running] == ["b"]
     assert scheduled(sim.step()) == [("b", 1), ("c", 3)]
     sim.run_to_completion()
 
@@ -291,10 +291,10 @@ def test_forked_siblings_keep_their_reserved_seats() -> None:
     sim.add("q", [1, 2], max_tokens=1)
     for _ in range(3):
         out = sim.step()
-        assert [s.request.request_id for s in out.scheduled] == ["p"]
+        assert [s.seq.seq_id for s in out.scheduled] == ["p"]
     # p's prompt is done and its siblings have forked: 3 sequences run, q still waits.
-    assert [r.request_id for r in sim.sched.running] == ["p", "p#1", "p#2"]
-    assert [r.request_id for r in sim.sched.waiting] == ["q"]
+    assert [r.seq_id for r in sim.sched.running] == ["p", "p#1", "p#2"]
+    assert [r.seq_id for r in sim.sched.waiting] == ["q"]
     sim.run_to_completion()
 
 
@@ -314,15 +314,15 @@ def test_preemption_evicts_the_most_recent_request_and_admits_nothing_that_step(
 
     # a's 9th token needs a 3rd block: b, admitted last, is preempted to make room.
     out = sim.step()
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [r.seq_id for r in out.preempted] == ["b"]
     assert scheduled(out) == [("a", 1)]
-    assert sim.sched.num_preemptions == 1 and b.num_preemptions == 1
-    assert b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
+    assert sim.sched.counters.num_preemptions == 1 and b.num_preemptions == 1
+    assert b.num_computed_tokens == 0 and b.status == SequenceStatus.WAITING
     assert b.output_token_ids == b_outputs  # its tokens are kept, only their K/V is recomputed
     assert list(sim.sched.waiting) == [b]
     # b's next 3-token chunk would fit in the free block, but nothing is admitted this step.
     assert sim.kv.pool.num_free == 1
-    assert [r.request_id for r in sim.sched.running] == ["a"]
+    assert [r.seq_id for r in sim.sched.running] == ["a"]
 
     out = sim.step()
     assert scheduled(out) == [("a", 1), ("b", 3)]
@@ -350,11 +350,14 @@ def test_prefix_cache_hits_are_counted_and_skip_computation() -> None:
     prompt = list(range(9))
     sim.add("a", prompt, max_tokens=1)
     sim.run_to_completion()
-    assert (sim.sched.prefix_cache_queries, sim.sched.prefix_cache_hits) == (9, 0)
+    assert (sim.sched.counters.prefix_cache_queries, sim.sched.counters.prefix_cache_hits) == (9, 0)
     b = sim.add("b", prompt, max_tokens=1)
     out = sim.step()
     # 2 full blocks come from the cache; only the last token is computed.
     assert scheduled(out) == [("b", 1)]
     assert b.num_cached_tokens == 8
-    assert (sim.sched.prefix_cache_queries, sim.sched.prefix_cache_hits) == (18, 8)
+    assert (sim.sched.counters.prefix_cache_queries, sim.sched.counters.prefix_cache_hits) == (
+        18,
+        8,
+    )
     sim.run_to_completion()

@@ -301,7 +301,7 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                     if i == 6:
                         break
                 closed_at = steps["n"]
-            wait_for(lambda: not inner.groups, timeout=10)
+            wait_for(lambda: not inner.requests, timeout=10)
             assert steps["n"] - closed_at <= 2
 
             with pytest.raises(httpx.ReadTimeout):
@@ -309,7 +309,7 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                     running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5)
                 )
             closed_at = steps["n"]
-            wait_for(lambda: not inner.groups, timeout=10)
+            wait_for(lambda: not inner.requests, timeout=10)
             assert steps["n"] - closed_at <= 2
         state = wait_until_idle(engine)
         assert state.free_blocks == state.num_blocks
@@ -343,7 +343,7 @@ def test_a_request_without_a_token_within_max_queue_time_is_dropped(qwen3_dir: P
             )
             release.set()
             state = wait_until_idle(engine)
-            assert (state.groups, state.free_blocks) == (0, state.num_blocks)  # both were aborted
+            assert (state.requests, state.free_blocks) == (0, state.num_blocks)  # both were aborted
         assert value(scrape(running.url), "request_rejected_total", reason="queue_timeout") == 2
         answer = httpx.post(running.url + "/v1/completions", json=BODY, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6

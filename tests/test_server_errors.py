@@ -775,5 +775,5 @@ def test_server_still_serves_and_engine_is_empty(
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == GOOD["max_tokens"]
     state = wait_until_idle(default_engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0)
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0)
     assert state.free_blocks == state.num_blocks

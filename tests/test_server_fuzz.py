@@ -125,7 +125,7 @@ def fuzz(
     run()
     # Whatever was sent, nothing is left in the engine once the answers are in.
     state = wait_until_idle(served.engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0), state
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0), state
     assert state.free_blocks == state.num_blocks, state
 
 
@@ -223,5 +223,5 @@ def test_fuzz_plain_route(
 
 def test_engine_idle_after_fuzzing(served: Served) -> None:
     state = wait_until_idle(served.engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0), state
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0), state
     assert state.free_blocks == state.num_blocks == NUM_KV_BLOCKS, state

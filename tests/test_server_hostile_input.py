@@ -595,5 +595,5 @@ def test_still_serving_after_the_table(served: RunningServer, http: httpx.Client
         choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 4
     )
     state = wait_until_idle(served.engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0), state
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0), state
     assert state.free_blocks == state.num_blocks == NUM_KV_BLOCKS, state

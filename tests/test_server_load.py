@@ -121,7 +121,7 @@ def test_cancelled_streams_and_timed_out_requests_free_everything(server: Runnin
 
     asyncio.run(main())
     state = wait_until_idle(server.engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0)
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0)
     assert state.free_blocks == state.num_blocks
     after = httpx.post(
         server.url + "/v1/completions",
@@ -139,7 +139,7 @@ def test_engine_failure_mid_stream(llama_dir: Path) -> None:
     steps = {"n": 0}
 
     def faulty_step():  # the test-only fault: the third step with both requests in it raises
-        if len(inner.groups) == 2:
+        if len(inner.requests) == 2:
             steps["n"] += 1
             if steps["n"] == 3:
                 raise RuntimeError("injected fault")

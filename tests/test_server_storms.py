@@ -159,7 +159,7 @@ def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
 
     asyncio.run(main())
     state = wait_until_idle(server.engine)
-    assert (state.running, state.waiting, state.groups) == (0, 0, 0)
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0)
     assert state.free_blocks == state.num_blocks
     deadline = time.monotonic() + 10  # the gauges are published after the engine's next iteration
     while True:

@@ -15,9 +15,10 @@ from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm import LLM
-from engine.output_processor import RequestGroup, SequenceText, check_stop, make_output, update_text
+from engine.output_processor import check_stop, make_output, update_text
+from engine.request import Request, SequenceText
 from engine.outputs import CompletionOutput
-from engine.request import Request, RequestStatus
+from engine.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 from tests.models import tokenizer_dir
 
@@ -45,36 +46,36 @@ def encode(tokenizer, text: str) -> list[int]:
 def generate(
     tokenizer, tokens: list[int], params: SamplingParams, max_model_len: int = 4096
 ) -> Run:
-    """Feed `tokens` as if sampled one per step, until the request finishes."""
+    """Feed `tokens` as if sampled one per step, until the seq finishes."""
     prompt = list(tokenizer("Tell me a story:").input_ids)
-    request = Request(
+    seq = Sequence(
+        seq_id="r",
         request_id="r",
-        group_id="r",
         index=0,
         prompt_token_ids=prompt,
         params=params,
         arrival_time=0.0,
         eos_token_id=tokenizer.eos_token_id,
-        status=RequestStatus.RUNNING,
+        status=SequenceStatus.RUNNING,
     )
-    group = RequestGroup(
+    request = Request(
         "r",
         None,
         prompt,
-        [request],
+        [seq],
         [SequenceText(IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens))],
     )
     outputs = []
     for token in tokens:
-        request.append_token(token)
-        check_stop(request, token, max_model_len)
-        update_text(request, group.texts[0], token)
-        if request.finish_reason is not None:
-            request.status = RequestStatus.FINISHED  # what scheduler.finish does
-        outputs.append(make_output(group).outputs[0])
-        if request.is_finished:
+        seq.append_token(token)
+        check_stop(seq, token, max_model_len)
+        update_text(seq, request.texts[0], token)
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED  # what scheduler.finish does
+        outputs.append(make_output(request).outputs[0])
+        if seq.is_finished:
             break
-    assert request.is_finished, "ran out of tokens before a stop condition"
+    assert seq.is_finished, "ran out of tokens before a stop condition"
     return Run(outputs)
 
 

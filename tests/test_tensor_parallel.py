@@ -63,9 +63,9 @@ def run(
         str(model_dir), max_num_seqs=8, tensor_parallel_size=tensor_parallel_size, **kwargs
     ) as llm:
         outputs = llm.generate(prompts, GREEDY)
-        kv, scheduler = llm.engine.kv, llm.engine.scheduler
+        kv, stats = llm.engine.kv, llm.last_run_stats
         assert kv.pool.num_free == kv.pool.num_blocks
-        counters = (scheduler.num_preemptions, scheduler.prefix_cache_hits)
+        counters = (stats.num_preemptions, stats.prefix_cache_hits)
     return [o.outputs[0].token_ids for o in outputs], counters
 
 
