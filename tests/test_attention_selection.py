@@ -5,12 +5,16 @@ run. The platform is described, not detected, so every GPU case runs here."""
 from __future__ import annotations
 
 import sys
+from typing import get_args
 
 import pytest
 import torch
 
 from config import ConfigError
-from kernels.attention.selector import AttentionChoice, Platform, choose, import_error
+from config.engine_config import AttentionBackendName
+from kernels.attention.platform import Platform, import_error
+from kernels.attention.registry import BACKENDS, NAMES
+from kernels.attention.selector import AttentionChoice, build_backend, choose
 
 HOPPER, AMPERE, TURING = (9, 0), (8, 0), (7, 5)
 
@@ -141,7 +145,7 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
             "flash",
             platform(HOPPER),
             None,
-            "must be one of auto, torch, cpu, triton, flash-attn, flash-attn-4",
+            "must be one of auto, flash-attn-4, flash-attn, triton, cpu, torch",
         ),
     ],
 )
@@ -165,3 +169,19 @@ def test_import_error_names_what_is_missing_or_broken(
     reason = import_error("broken_kernels_pkg")
     assert reason is not None and "does not import: OSError: libcudart.so.13" in reason
     assert "broken_kernels_pkg" not in sys.modules
+
+
+def test_the_config_accepts_exactly_the_registered_backends() -> None:
+    assert set(get_args(AttentionBackendName)) == {"auto", *NAMES}
+    assert len(set(NAMES)) == len(BACKENDS)
+
+
+def test_every_backend_that_can_run_here_is_built_by_its_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    here = Platform.detect("cpu", torch.float32, 64)
+    runnable = [e.name for e in BACKENDS if e.unfit(here, None) is None]
+    assert {"torch", "cpu", "triton"} <= set(runnable)
+    for name in runnable:
+        assert build_backend(name).name == name  # the row builds its own backend
