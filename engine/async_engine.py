@@ -4,11 +4,18 @@
 node) drives it. Requests and aborts cross to it on a thread-safe queue that it drains at the
 top of every iteration; each request's outputs come back to that request's own asyncio queue
 through `loop.call_soon_threadsafe`, so the event loop never waits on the model.
+
+What a frontend may use is this class's client surface, all safe on the event loop: `info`
+(frozen: names, limits, KV pool size, a tokenizer of the frontend's own), `validate`, `generate`,
+`abort`, `on_stats`, and the lifecycle (`start`, `is_alive`, `dead_reason`, `shutdown`). `engine`
+belongs to the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from config import EngineConfig
+from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -70,6 +78,11 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, thread: threading.Thread) -> None:
         """Made by from_config, on `thread`: the thread that built `engine` and will run it."""
         self.engine = engine
+        # The engine thread detokenizes with its tokenizer; callers get a copy of their own,
+        # since a fast tokenizer must not be used by two threads at once.
+        self.info: EngineInfo = dataclasses.replace(
+            engine.info, tokenizer=copy.deepcopy(engine.info.tokenizer)
+        )
         self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
         self._stopping = threading.Event()
@@ -135,6 +148,16 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- asyncio side
 
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for what the engine would refuse: call before generate(),
+        so that bad input is a 400 before it is queued."""
+        self.info.validate(prompt_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a no-op for one that finished or is unknown); its generate() ends
+        with a last output whose finish_reason is 'abort'."""
+        self._inbox.put(_Abort(request_id))
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -160,7 +183,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self.abort(request_id)
 
     def dead_reason(self) -> str:
         if self.error is not None:

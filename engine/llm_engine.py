@@ -11,6 +11,7 @@ import torch
 
 from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
@@ -33,8 +34,6 @@ from engine.tokenization import encode
 from kernels.attention import Platform, choose
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 def context_limit(hf_config) -> int:
@@ -106,6 +105,16 @@ class LLMEngine:
             self.executor.close()
             raise
         self.tokenizer = self.executor.loaded.tokenizer
+        self.info = EngineInfo(
+            model=config.model.model,
+            model_path=str(self.model_path),
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            block_size=self.block_size,
+            num_kv_blocks=num_blocks,
+        )
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
@@ -122,42 +131,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything that would make the request fail inside a step is rejected here."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt must not be empty", "prompt")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate",
-                "prompt",
-            )
-        params.validate()
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}", "n"
-            )
-        for name, value in (
-            ("logprobs", params.logprobs),
-            ("prompt_logprobs", params.prompt_logprobs),
-        ):
-            if value is not None and value > MAX_LOGPROBS:
-                raise InvalidRequestError(
-                    f"{name} must be at most {MAX_LOGPROBS}, got {value}", name
-                )
-        for name, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                    name,
-                )
+        self.info.validate(prompt_ids, params)
 
     def add_request(
         self,

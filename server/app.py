@@ -37,13 +37,13 @@ from server.state import ServerState, served_model_names
 
 def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
     """The engine's metrics in a registry of their own, fed from now on by its thread."""
-    inner = engine.engine
+    info = engine.info
     metrics = EngineMetrics(
         CollectorRegistry(),
         served_model_names(engine, config)[0],
-        inner.block_size,
-        inner.kv.pool.num_blocks,
-        inner.max_model_len,
+        info.block_size,
+        info.num_kv_blocks,
+        info.max_model_len,
     )
     engine.on_stats = metrics.record
     return metrics

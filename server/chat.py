@@ -12,14 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput
 from engine.outputs import CompletionOutput
-from server.errors import as_api_error
-from server.inputs import (
-    chat_messages,
-    check_limits,
-    render_chat,
-    resolve_max_tokens,
-    sampling_params,
-)
+from server.inputs import chat_messages, engine_params, render_chat
 from server.logprobs import chat_logprobs
 from server.protocol import (
     AssistantMessage,
@@ -33,7 +26,7 @@ from server.protocol import (
     Usage,
 )
 from server.state import ServerState
-from server.streaming import DONE, sse, until_disconnected
+from server.streaming import event_stream, sse, until_disconnected
 
 
 async def create_chat_completion(
@@ -48,13 +41,8 @@ async def create_chat_completion(
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    check_limits(state.config, req.n, len(prompt_ids), requested, "messages")
-    max_tokens = resolve_max_tokens(
-        requested, len(prompt_ids), state.max_model_len, "messages", state.config.max_output_tokens
-    )
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, top_n)
-    state.engine.engine.validate(prompt_ids, params)
+    params = engine_params(state, req, prompt_ids, requested, "messages", top_n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = state.generate(request, prompt_ids, params, response_id, prompt_ids)
@@ -66,10 +54,7 @@ async def create_chat_completion(
         return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
 
     if req.stream:
-        return StreamingResponse(
-            _stream(req, stream, response_id, created, model, logprobs_of),
-            media_type="text/event-stream",
-        )
+        return event_stream(_stream(req, stream, response_id, created, model, logprobs_of))
 
     async def collect() -> RequestOutput:
         final = None
@@ -117,37 +102,33 @@ async def _stream(
 
     finished: set[int] = set()
     sent_tokens = [0] * req.n
-    try:
-        # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
-        for i in range(req.n):
-            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-        final = None
-        async for output in stream:
-            final = output
-            for c in output.outputs:
-                if c.index in finished:
-                    continue  # a sibling's output repeats this finished sample: nothing is new
-                logprobs = (
-                    logprobs_of(c, c.token_ids_delta, sent_tokens[c.index])
-                    if c.token_ids_delta
-                    else None
-                )
-                sent_tokens[c.index] += len(c.token_ids_delta)
-                if not c.text_delta and logprobs is None and c.finish_reason is None:
-                    continue  # text held back (a partial character or stop string): nothing to show yet
-                delta = Delta(content=c.text_delta) if c.text_delta else Delta()
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                choice = ChatChunkChoice(
-                    index=c.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                yield chunk([choice])
-        if req.include_usage and final is not None:
-            yield chunk([], Usage.of([final]))
-    except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
-        yield sse(as_api_error(exc).body())
-    yield DONE
+    # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
+    for i in range(req.n):
+        yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+    final = None
+    async for output in stream:
+        final = output
+        for c in output.outputs:
+            if c.index in finished:
+                continue  # a sibling's output repeats this finished sample: nothing is new
+            logprobs = (
+                logprobs_of(c, c.token_ids_delta, sent_tokens[c.index])
+                if c.token_ids_delta
+                else None
+            )
+            sent_tokens[c.index] += len(c.token_ids_delta)
+            if not c.text_delta and logprobs is None and c.finish_reason is None:
+                continue  # text held back (a partial character or stop string): nothing to show yet
+            delta = Delta(content=c.text_delta) if c.text_delta else Delta()
+            if c.finish_reason is not None:
+                finished.add(c.index)
+            choice = ChatChunkChoice(
+                index=c.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            yield chunk([choice])
+    if req.include_usage and final is not None:
+        yield chunk([], Usage.of([final]))

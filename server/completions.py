@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
 from engine.tokenization import encode
-from server.errors import as_api_error, invalid
-from server.inputs import check_limits, resolve_max_tokens, sampling_params
+from server.errors import invalid
+from server.inputs import engine_params
 from server.logprobs import add_completion_logprobs
 from server.protocol import (
     Completion,
@@ -25,7 +25,7 @@ from server.protocol import (
     Usage,
 )
 from server.state import ServerState
-from server.streaming import DONE, merge, sse, until_disconnected
+from server.streaming import event_stream, merge, sse, until_disconnected
 
 
 @dataclass
@@ -58,20 +58,15 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
             prompts.append(_Prompt(None, list(item)))
     logprobs = req.logprobs
     for p in prompts:
-        check_limits(state.config, req.n, len(p.token_ids), req.max_tokens, "prompt")
-        max_tokens = resolve_max_tokens(
+        p.params = engine_params(
+            state,
+            req,
+            p.token_ids,
             req.max_tokens,
-            len(p.token_ids),
-            state.max_model_len,
             "prompt",
-            state.config.max_output_tokens,
+            logprobs,
+            prompt_logprobs=logprobs if req.echo else None,
         )
-        p.params = sampling_params(
-            req, max_tokens, logprobs, prompt_logprobs=logprobs if req.echo else None
-        )
-        state.engine.engine.validate(
-            p.token_ids, p.params
-        )  # 400 now, not an error later from the engine thread
     return prompts
 
 
@@ -94,9 +89,7 @@ async def create_completion(
     ]
     writer = _ChoiceWriter(state, req, prompts)
     if req.stream:
-        return StreamingResponse(
-            _stream(writer, streams, response_id, created, model), media_type="text/event-stream"
-        )
+        return event_stream(_stream(writer, streams, response_id, created, model))
 
     async def collect() -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -206,26 +199,20 @@ async def _stream(
     exclude = None if writer.req.include_usage else {"usage"}
     finals: dict[int, RequestOutput] = {}
     finished: set[int] = set()
-    try:
-        async for prompt_index, output in merge(streams):
-            for c in output.outputs:
-                index = writer.index(prompt_index, c.index)
-                if index in finished:
-                    continue  # a sibling's output repeats this finished sample: nothing is new
-                choice = writer.delta_choice(prompt_index, c, output)
-                if choice is None:
-                    continue
-                if c.finish_reason is not None:
-                    finished.add(index)
-                chunk = Completion(id=response_id, created=created, model=model, choices=[choice])
-                yield sse(chunk, exclude)
-            if output.finished:
-                finals[prompt_index] = output
-        if writer.req.include_usage:
-            usage = Usage.of([finals[i] for i in range(len(writer.prompts))])
-            yield sse(
-                Completion(id=response_id, created=created, model=model, choices=[], usage=usage)
-            )
-    except Exception as exc:  # the engine failed mid-stream: say so in the stream, then end it
-        yield sse(as_api_error(exc).body())
-    yield DONE
+    async for prompt_index, output in merge(streams):
+        for c in output.outputs:
+            index = writer.index(prompt_index, c.index)
+            if index in finished:
+                continue  # a sibling's output repeats this finished sample: nothing is new
+            choice = writer.delta_choice(prompt_index, c, output)
+            if choice is None:
+                continue
+            if c.finish_reason is not None:
+                finished.add(index)
+            chunk = Completion(id=response_id, created=created, model=model, choices=[choice])
+            yield sse(chunk, exclude)
+        if output.finished:
+            finals[prompt_index] = output
+    if writer.req.include_usage:
+        usage = Usage.of([finals[i] for i in range(len(writer.prompts))])
+        yield sse(Completion(id=response_id, created=created, model=model, choices=[], usage=usage))

@@ -9,6 +9,7 @@ from engine import SamplingParams
 from engine.tokenization import encode_chat
 from server.errors import invalid
 from server.protocol import ChatMessage, SamplingFields
+from server.state import ServerState
 
 
 def sampling_params(
@@ -85,6 +86,27 @@ def resolve_max_tokens(
             prompt_param if room < 1 else "max_tokens",
         )
     return wanted
+
+
+def engine_params(
+    state: ServerState,
+    req: SamplingFields,
+    prompt_ids: list[int],
+    requested: int | None,
+    prompt_param: str,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """One prompt's SamplingParams, or a 400 before anything is queued: the server's limits, the
+    completion budget (`requested` max tokens), then the engine's own checks."""
+    config = state.config
+    check_limits(config, req.n, len(prompt_ids), requested, prompt_param)
+    max_tokens = resolve_max_tokens(
+        requested, len(prompt_ids), state.max_model_len, prompt_param, config.max_output_tokens
+    )
+    params = sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+    state.engine.validate(prompt_ids, params)
+    return params
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ def serve(config: ServeConfig) -> int:
             app.state.server.model_names[0],
             settings.host,
             settings.port,
-            engine.engine.max_model_len,
+            engine.info.max_model_len,
         )
         server = DrainingServer(
             uvicorn.Config(

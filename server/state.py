@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from fastapi import Request
+from transformers import PreTrainedTokenizerBase
 
 from config import ServerConfig
 from engine import RequestOutput, SamplingParams
@@ -25,9 +25,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_names(engine: AsyncEngine, config: ServerConfig) -> list[str]:
-    return list(
-        config.served_model_name or [engine.engine.config.model.model or DEFAULT_MODEL_NAME]
-    )
+    return list(config.served_model_name or [engine.info.model or DEFAULT_MODEL_NAME])
 
 
 @dataclass
@@ -35,7 +33,7 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     model_names: list[str]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase  # the frontend's own (see AsyncEngine.info)
     gate: Gate
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
@@ -51,13 +49,11 @@ class ServerState:
         config: ServerConfig,
         on_reject: Callable[[str], None] | None = None,
     ) -> "ServerState":
-        # The engine thread detokenizes with its own copy; this one is the frontend's.
-        tokenizer = copy.deepcopy(engine.engine.tokenizer)
         return cls(
             engine,
             config,
             served_model_names(engine, config),
-            tokenizer,
+            engine.info.tokenizer,
             Gate(config.max_waiting_requests, on_reject),
         )
 
@@ -66,15 +62,15 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.vocab_size
+        return self.engine.info.vocab_size
 
     @property
     def model_root(self) -> str:
-        return str(self.engine.engine.model_path)
+        return self.engine.info.model_path
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to report; 404 for a model this server does not serve."""

@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+
+from server.errors import as_api_error
 
 T = TypeVar("T")
 
@@ -31,6 +35,23 @@ def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
     else:
         body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {body}\n\n"
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """A streamed answer: `events`, then `[DONE]`."""
+    return StreamingResponse(_ending_with_done(events), media_type="text/event-stream")
+
+
+async def _ending_with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    # Once the first event is sent the status is 200 for good, so a failure mid-stream (the
+    # engine died) is told in the stream: an OpenAI error event, then [DONE] as always.
+    async with aclosing(events):  # closing it now aborts the engine requests behind it
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the client gets an error event
+            yield sse(as_api_error(exc).body())
+    yield DONE
 
 
 _END = object()

@@ -1,0 +1,63 @@
+"""What a caller may know about a running engine, fixed at start-up, and the request checks that
+need nothing else: both are safe to use from any thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str | None  # the model as configured (None: the bundled default)
+    model_path: str  # the folder the weights were loaded from
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # the KV pool's size
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything that would make the request fail inside a step is rejected here. Reads
+        only this frozen info, so the event loop may call it while the engine thread steps."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt must not be empty", "prompt")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate",
+                "prompt",
+            )
+        params.validate()
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        for name, value in (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs),
+        ):
+            if value is not None and value > MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"{name} must be at most {MAX_LOGPROBS}, got {value}", name
+                )
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})", name
+                )
