@@ -1,4 +1,4 @@
-"""Which generation requests get in: none once the server is draining for shutdown, and none
+"""Which generation requests get in (those of routes declared with `GeneratingRoute`): none once the server is draining for shutdown, and none
 while the queue is full. Both are refused at once with 503, before the body is even read.
 
 A request counts as *waiting* from its admission until its first token (or its end): that
@@ -14,11 +14,11 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 from server.errors import APIError
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_SECONDS = 1
 
 
@@ -87,24 +87,16 @@ class Gate:
             self.on_reject(reason)
 
 
-class AdmissionMiddleware:
-    """Admits generation requests through the gate, and holds the ticket (in the ASGI scope's
-    state, where routes find it) until the response has been sent in full."""
+class GeneratingRoute(APIRoute):
+    """The route class that declares a route as generating: its requests are admitted through
+    the app's gate (`app.state.server.gate`) before the body is read, and hold their ticket (in
+    the ASGI scope's state, where `ServerState.generate` finds it) until the response has been
+    sent in full. Declare a route with `APIRouter(route_class=GeneratingRoute)`."""
 
-    def __init__(self, app: ASGIApp, gate: Gate) -> None:
-        self.app = app
-        self.gate = gate
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in GENERATION_PATHS
-        ):
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gate: Gate = scope["app"].state.server.gate
         try:
-            ticket = self.gate.admit()
+            ticket = gate.admit()
         except APIError as refused:
             headers = (
                 {"Retry-After": str(RETRY_AFTER_SECONDS)} if refused.code == "queue_full" else None
@@ -113,6 +105,6 @@ class AdmissionMiddleware:
             return
         scope.setdefault("state", {})["ticket"] = ticket
         try:
-            await self.app(scope, receive, send)
+            await super().handle(scope, receive, send)
         finally:
-            self.gate.release(ticket)
+            gate.release(ticket)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from config import ServerConfig
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.tokenization import encode
-from server.admission import AdmissionMiddleware, shutting_down
+from server.admission import GeneratingRoute, shutting_down
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.chat import create_chat_completion
@@ -72,8 +72,8 @@ def create_app(
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    # Each middleware added wraps the ones before it: CORS, body limit, key, then admission.
-    app.add_middleware(AdmissionMiddleware, gate=state.gate)
+    # Each middleware added wraps the ones before it: CORS, body limit, then the key; the
+    # generating routes' admission runs after them all (see GeneratingRoute).
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
@@ -98,19 +98,23 @@ def create_app(
             id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len
         )
 
-    @app.post("/v1/completions", response_model=None)
+    generating = APIRouter(route_class=GeneratingRoute)
+
+    @generating.post("/v1/completions", response_model=None)
     async def completions(
         req: CompletionRequest, request: Request
     ) -> Completion | StreamingResponse:
         require_engine()
         return await create_completion(state, req, request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @generating.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         req: ChatCompletionRequest, request: Request
     ) -> ChatCompletion | StreamingResponse:
         require_engine()
         return await create_chat_completion(state, req, request)
+
+    app.include_router(generating)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -90,7 +90,9 @@ class ServerState:
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; the first one ends the HTTP request's wait in
         the admission gate's queue."""
-        ticket = request.scope["state"]["ticket"]
+        ticket = request.scope.get("state", {}).get("ticket")
+        if ticket is None:
+            raise RuntimeError(f"{request.url.path} generates but is not a GeneratingRoute")
         async with aclosing(
             self.engine.generate(prompt, params, request_id, prompt_token_ids)
         ) as outputs:
