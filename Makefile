@@ -1,5 +1,5 @@
 # Two entry points: `make run` (install, then serve the default model on port 8000) and
-# `make test` (install, then the whole test suite). Both set up .venv on first use.
+# `make test` (install, lint and type checks, then the whole test suite). Both set up .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch; on a GPU node: make run TORCH=torch
@@ -9,7 +9,7 @@ PROMPT ?= Explain in one sentence what a KV cache is.
 SERVE_FLAGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install run generate test bench
+.PHONY: install run generate lint test bench
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ run: install
 generate: install
 	$(BIN)/pagedserve generate --chat "$(PROMPT)"
 
-test: install
+# The style and type checks: ruff (lint over the packages, format over everything) and mypy
+# (settings in pyproject.toml). `make test` runs them first.
+lint: install
+	$(BIN)/ruff check config engine kernels server
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: install lint
 	$(BIN)/python -m pytest -q
 
 bench: install

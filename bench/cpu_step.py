@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_runner import kv_bytes_per_block  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.model_runner import kv_bytes_per_block
 
 
 def copy_bandwidth(nbytes: int = 2**30, copies: int = 10) -> float:

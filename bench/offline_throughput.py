@@ -36,10 +36,36 @@ class Result:
 
 def make_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    words = (
-        "the engine schedules every request at each step while blocks of the cache are shared "
-        "between prompts that begin alike and the sampler chooses one token per row"
-    ).split()
+    words = [
+        "the",
+        "engine",
+        "schedules",
+        "every",
+        "request",
+        "at",
+        "each",
+        "step",
+        "while",
+        "blocks",
+        "of",
+        "the",
+        "cache",
+        "are",
+        "shared",
+        "between",
+        "prompts",
+        "that",
+        "begin",
+        "alike",
+        "and",
+        "the",
+        "sampler",
+        "chooses",
+        "one",
+        "token",
+        "per",
+        "row",
+    ]
     prompts = []
     for _ in range(count):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(40, 90)))

@@ -95,7 +95,7 @@ class CacheConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> "CacheConfig":
+    def _power_of_two(self) -> CacheConfig:
         if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(
                 f"{flag('block_size')} must be a power of two between 1 and 1024, got {self.block_size}"
@@ -134,7 +134,7 @@ class EngineConfig(_Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """Build from flat flag-named keyword arguments, as `LLM(...)` and the CLI pass them."""
         return cls(**build_sections(ENGINE_SECTIONS, kwargs))
 

@@ -13,7 +13,7 @@ import json
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -53,7 +53,8 @@ def add_flags(
         if name in skip:
             continue
         base = _base_type(info.annotation)
-        kwargs: dict[str, object] = {"default": argparse.SUPPRESS, "dest": name}
+        # argparse takes different keyword arguments for each kind of option: Any, not object.
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": name}
         default = info.default
         shown = (
             "none"
@@ -77,7 +78,7 @@ def add_flags(
             kwargs["nargs"] = "+"
         elif base in (int, float):
             kwargs["type"] = base
-        parser.add_argument(flag(name), **kwargs)  # type: ignore[arg-type]
+        parser.add_argument(flag(name), **kwargs)
 
 
 def from_env(env: Mapping[str, str], sections: Mapping[str, type[BaseModel]]) -> dict[str, object]:
@@ -128,8 +129,9 @@ def merge(
     env: Mapping[str, str],
     config_file: Path | None,
     sections: Mapping[str, type[BaseModel]],
-) -> dict[str, object]:
-    """Flat settings: the file's, overridden by the environment's, overridden by the flags'."""
+) -> dict[str, Any]:
+    """Flat settings: the file's, overridden by the environment's, overridden by the flags'
+    (values of every type: the config models validate them)."""
     settings = from_file(config_file, sections) if config_file else {}
     settings.update(from_env(env, sections))
     settings.update(cli)

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from config import EngineConfig
@@ -101,7 +101,7 @@ class AsyncEngine:
         engine.executor.on_failure = lambda: self._inbox.put(_WAKE)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """The engine built on the thread that will run it, which then waits for start(). On a
         CPU, torch's OpenMP workers belong to the thread that first runs a parallel op; a second
         thread with a team of its own makes the runtime, seeing more threads than cores, stop
@@ -112,7 +112,7 @@ class AsyncEngine:
         def build_then_run() -> None:
             try:
                 async_engine = cls(LLMEngine(config), threading.current_thread())
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
                 built.put(exc)
                 return
             built.put(async_engine)
@@ -164,7 +164,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         prompt_token_ids: list[int],
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the engine makes them, the last one with `finished` set.
         Leaving the iteration early (a client that went away) aborts the request."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -211,9 +211,9 @@ class AsyncEngine:
             self._close(EngineDeadError(self.dead_reason(), failed=True))
         else:
             for request_id in list(self.engine.requests):
-                output = self.engine.abort_request(request_id)
-                if output is not None:
-                    self._deliver(output)
+                aborted = self.engine.abort_request(request_id)
+                if aborted is not None:
+                    self._deliver(aborted)
             self._close(EngineDeadError("the engine has shut down"))
 
     def _close(self, reason: EngineDeadError) -> None:

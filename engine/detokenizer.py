@@ -8,13 +8,20 @@ of a decode (SentencePiece) correct.
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+
+from engine.tokenization import decode
+
 _CONTEXT = 6  # prompt tokens decoded as left context of the first output token
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -23,7 +30,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokenizer, ids, self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """The text this token completes (possibly empty)."""

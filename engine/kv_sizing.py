@@ -108,6 +108,7 @@ def profiled_pool_blocks(
 ) -> int:
     """The pool's size in blocks from --gpu-memory-utilization, after running the heaviest step."""
     sched, utilization = config.scheduler, config.cache.gpu_memory_utilization
+    assert config.cache.block_size is not None, "LLMEngine settles the block size first"
     probe.start()
     run_step(
         profile_batch(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
+
+from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -16,21 +19,21 @@ Message = dict[str, object]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **config: object) -> None:
+    def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
         # What the engine measured during the last generate() call (preemptions, prefix-cache
         # hits, latencies): offline runs publish no metrics, so this is where they can be read.
         self.last_run_stats = EngineStats()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -45,23 +48,24 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]
-        prompts = list(prompts)
+            batch: list[Prompt] = [cast(Prompt, prompts)]  # one prompt: text or token ids
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
-            [sampling_params] * len(prompts)
+            [sampling_params] * len(batch)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
+        token_ids = [self.engine.tokenize(prompt) for prompt in batch]
         for ids, p in zip(token_ids, params):
             self.engine.validate(ids, p)
-        ids = [
+        request_ids = [
             self.engine.add_request(prompt, p, prompt_token_ids=t)
-            for prompt, p, t in zip(prompts, params, token_ids)
+            for prompt, p, t in zip(batch, params, token_ids)
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
@@ -69,7 +73,7 @@ class LLM:
                 if output.finished:
                     final[output.request_id] = output
         self.last_run_stats = self.engine.take_stats()
-        return [final[i] for i in ids]
+        return [final[i] for i in request_ids]
 
     def chat(
         self,
@@ -78,7 +82,11 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = (
+            [messages]
+            if messages and isinstance(messages[0], dict)
+            else cast(list[list[Message]], messages)
+        )
         prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -8,6 +8,7 @@ import logging
 import time
 
 import torch
+from transformers import PretrainedConfig
 
 from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -25,10 +26,10 @@ from engine.outputs import RequestOutput
 from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
 from engine.parallel.shard import check_shardable
 from engine.request import Request, SequenceText
-from engine.sequence import Sequence, SequenceStatus
 from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats, FinishedRequest
 from engine.tokenization import encode
 from kernels.attention import Platform, choose
@@ -36,7 +37,7 @@ from kernels.attention import Platform, choose
 log = logging.getLogger(__name__)
 
 
-def context_limit(hf_config) -> int:
+def context_limit(hf_config: PretrainedConfig) -> int:
     """The longest context the model serves exactly. Attention here is always full, so a model
     that uses sliding-window attention (Mistral, Qwen with use_sliding_window) is capped at its
     window, where full and windowed attention agree."""
@@ -246,7 +247,7 @@ class LLMEngine:
         for seq, sample in zip(to_sample, samples):
             self._record_token(seq, now)
             seq.append_token(sample.token_id)
-            if seq.logprobs is not None:
+            if seq.logprobs is not None and sample.logprobs is not None:
                 seq.logprobs.append(sample.logprobs)
             check_stop(seq, sample.token_id, self.max_model_len)
             request = self.requests[seq.request_id]

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
 from engine.models.llama import CheckpointTensor, LlamaForCausalLM
 from engine.models.registry import resolve_architecture
-from engine.parallel.shard import Shard
+from engine.parallel.shard import WHOLE, Shard
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class LoadedModel:
     path: Path
-    hf_config: object
-    tokenizer: object
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
     model: LlamaForCausalLM
     dtype: torch.dtype
 
@@ -46,7 +47,7 @@ def resolve_model_path(config: ModelConfig) -> Path:
     return path
 
 
-def load_hf_config(path: Path):
+def load_hf_config(path: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -55,7 +56,7 @@ def load_hf_config(path: Path):
         raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
@@ -81,7 +82,9 @@ def cpu_multiplies_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def resolve_dtype(name: str, hf_config, device: torch.device) -> tuple[torch.dtype, str]:
+def resolve_dtype(
+    name: str, hf_config: PretrainedConfig, device: torch.device
+) -> tuple[torch.dtype, str]:
     """The dtype to run in, and why (for the start-up log)."""
     if name != "auto":
         return _DTYPES[name], "--dtype"
@@ -114,11 +117,11 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
         raise ModelLoadError(f"no safetensors weights in {path}")
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has no __iter__
                 yield key, f.get_slice(key)
 
 
-def load_model(config: ModelConfig, shard: Shard = Shard()) -> LoadedModel:
+def load_model(config: ModelConfig, shard: Shard = WHOLE) -> LoadedModel:
     """The model (this rank's shard of it), its config and tokenizer."""
     path = resolve_model_path(config)
     hf_config = load_hf_config(path)

@@ -10,6 +10,7 @@ import logging
 import time
 
 import torch
+from transformers import PretrainedConfig
 
 from config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(
-    hf_config, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+    hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
 ) -> int:
     """Bytes of one KV block on one rank (each rank holds its own KV heads)."""
     _, kv_heads = Shard(0, tensor_parallel_size).kv_heads(hf_config.num_key_value_heads)
@@ -67,7 +68,7 @@ class ModelRunner:
         shape = (
             num_blocks,
             self.block_size,
-            self.model.layers[0].self_attn.num_kv_heads,
+            self.model.num_kv_heads,
             head_dim_of(cfg),
         )
         self.kv_caches = [
@@ -172,6 +173,7 @@ def build_runner(
         why_not = loaded.model.fuse_cpu_ops()
         if why_not is not None and shard.rank == 0:
             log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
+    assert config.cache.block_size is not None, "LLMEngine settles the block size first"
     backend = build_backend(config.model.attention_backend)
     off = graphs_off_reason(config, backend, shard.size)
     if shard.rank == 0 and off is not None:

@@ -14,9 +14,9 @@ def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> None:
         seq.finish_reason, seq.stop_reason = "stop", token_id
     elif token_id == seq.eos_token_id and not params.ignore_eos:
         seq.finish_reason = "stop"
-    elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-        seq.finish_reason = "length"
-    elif seq.num_tokens >= max_model_len:
+    elif (
+        params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+    ) or seq.num_tokens >= max_model_len:
         seq.finish_reason = "length"
 
 

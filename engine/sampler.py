@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import PositionLogprobs
-from engine.sequence import Sequence
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 
 @dataclass

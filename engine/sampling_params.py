@@ -19,7 +19,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives beside the chosen token

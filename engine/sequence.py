@@ -39,7 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     last_token_time: float | None = None  # when this sample's latest token was sampled
     generator: torch.Generator | None = None
-    forks: list["Sequence"] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None

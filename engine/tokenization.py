@@ -3,18 +3,33 @@ calls these with a tokenizer of its own, off its event loop)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
+
+from transformers import PreTrainedTokenizerBase
 
 
-def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True
+) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def encode_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+    assert isinstance(text, str)  # tokenize=False renders one conversation to one string
     # The template already holds the special tokens; do not add a second BOS.
     return encode(tokenizer, text, add_special_tokens=False)
+
+
+def decode(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], skip_special_tokens: bool = False
+) -> str:
+    # One flat list of ids decodes to one string (a list of lists would give a list of them).
+    return cast(str, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from config import ServerConfig
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.tokenization import encode
+from engine.tokenization import decode, encode
 from server.admission import GeneratingRoute, shutting_down
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
@@ -160,10 +160,10 @@ def create_app(
                 f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                 param="tokens",
             )
-        return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
+        return {"prompt": await state.off_loop(decode, state.tokenizer, req.tokens)}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_route() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -89,7 +89,7 @@ async def _stream(
     created: int,
     model: str,
     logprobs_of: LogprobsOf,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     exclude = None if req.include_usage else {"usage"}
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:

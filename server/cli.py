@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from config import ConfigError
 from config.engine_config import ENGINE_SECTIONS
@@ -48,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generate(args: dict[str, object], parser: argparse.ArgumentParser) -> None:
-    prompts_given: list[str] = args.pop("prompt")  # type: ignore[assignment]
-    chats: list[str] = args.pop("chat")  # type: ignore[assignment]
-    params = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=args.pop("temperature"))  # type: ignore[arg-type]
+def _generate(args: dict[str, Any], parser: argparse.ArgumentParser) -> None:
+    prompts_given: list[str] = args.pop("prompt")
+    chats: list[str] = args.pop("chat")
+    params = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=args.pop("temperature"))
     if not prompts_given and not chats:
         parser.error("give at least one --prompt or --chat")
     config_file = args.pop("config")
-    with LLM(**merge(args, os.environ, config_file, ENGINE_SECTIONS)) as llm:  # type: ignore[arg-type]
+    with LLM(**merge(args, os.environ, config_file, ENGINE_SECTIONS)) as llm:
         prompts: list[str | list[int]] = list(prompts_given)
         prompts += [llm.render_chat([{"role": "user", "content": c}]) for c in chats]
         for output in llm.generate(prompts, params):
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             from server.launch import serve  # the HTTP stack is only imported when it is used
 
             config_file = args.pop("config")
-            return serve(serve_config(args, os.environ, config_file))  # type: ignore[arg-type]
+            return serve(serve_config(args, os.environ, config_file))
         else:
             _generate(args, parser)
     except (ConfigError, ModelLoadError, InvalidRequestError) as exc:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
-from engine.tokenization import encode
+from engine.tokenization import decode, encode
 from server.errors import invalid
 from server.inputs import engine_params
 from server.logprobs import add_completion_logprobs
@@ -39,8 +40,8 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
+        return [cast(list[int], prompt)]  # one prompt of token ids
+    return list(cast(list[str] | list[list[int]], prompt))
 
 
 async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
@@ -122,7 +123,7 @@ class _ChoiceWriter:
         return (
             prompt.text
             if prompt.text is not None
-            else self.state.tokenizer.decode(prompt.token_ids)
+            else decode(self.state.tokenizer, prompt.token_ids)
         )
 
     def _echo_logprobs(
@@ -191,11 +192,11 @@ class _ChoiceWriter:
 
 async def _stream(
     writer: _ChoiceWriter,
-    streams: list[AsyncIterator[RequestOutput]],
+    streams: Sequence[AsyncIterator[RequestOutput]],
     response_id: str,
     created: int,
     model: str,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     exclude = None if writer.req.include_usage else {"usage"}
     finals: dict[int, RequestOutput] = {}
     finished: set[int] = set()

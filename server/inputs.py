@@ -29,7 +29,7 @@ def sampling_params(
         seed=req.seed,
         max_tokens=max_tokens,
         stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
+        stop_token_ids=req.stop_token_ids or [],
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
@@ -37,7 +37,8 @@ def sampling_params(
         presence_penalty=given(req.presence_penalty, 0.0),
         frequency_penalty=given(req.frequency_penalty, 0.0),
         repetition_penalty=given(req.repetition_penalty, 1.0),
-        logit_bias=req.logit_bias,
+        # JSON keys are strings; SamplingParams turns them into token ids (or refuses them).
+        logit_bias=req.logit_bias,  # type: ignore[arg-type]
         skip_special_tokens=req.skip_special_tokens,
     )
 
@@ -139,5 +140,5 @@ def render_chat(
         raise invalid("this model has no chat template: use /v1/completions", "messages")
     try:
         return encode_chat(tokenizer, messages, add_generation_prompt)
-    except Exception as exc:  # a template's own raise_exception(), e.g. roles out of order
+    except Exception as exc:  # noqa: BLE001 - a template's own raise_exception() (roles out of order) is any type
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -3,6 +3,7 @@ OpenAI's two shapes: the completions object and the chat object."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from engine.outputs import PositionLogprobs
@@ -17,7 +18,7 @@ def add_completion_logprobs(
     target: CompletionLogprobs,
     tokenizer: Any,
     token_ids: list[int],
-    positions: list[PositionLogprobs | None],
+    positions: Sequence[PositionLogprobs | None],
     offset: int,
 ) -> int:
     """Append one entry per token (all of a position's alternatives: the chosen token and the

@@ -203,10 +203,10 @@ class EngineMetrics:
             self.e2e.observe(done.e2e_latency)
             self.request_prompt.observe(done.num_prompt_tokens)
             self.request_generation.observe(done.num_generation_tokens)
-            for histogram, value in (
+            for histogram, seconds in (
                 (self.queue, done.queue_time),
                 (self.prefill, done.prefill_time),
                 (self.decode, done.decode_time),
             ):
-                if value is not None:
-                    histogram.observe(value)
+                if seconds is not None:
+                    histogram.observe(seconds)

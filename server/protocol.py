@@ -159,7 +159,7 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, outputs: list[RequestOutput]) -> "Usage":
+    def of(cls, outputs: list[RequestOutput]) -> Usage:
         """A prompt counts once however many samples it has, as OpenAI counts it."""
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
@@ -48,7 +48,7 @@ class ServerState:
         engine: AsyncEngine,
         config: ServerConfig,
         on_reject: Callable[[str], None] | None = None,
-    ) -> "ServerState":
+    ) -> ServerState:
         return cls(
             engine,
             config,
@@ -87,7 +87,7 @@ class ServerState:
         params: SamplingParams,
         request_id: str,
         prompt_token_ids: list[int],
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one request; the first one ends the HTTP request's wait in
         the admission gate's queue."""
         ticket = request.scope.get("state", {}).get("ticket")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -37,12 +37,12 @@ def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
     return f"data: {body}\n\n"
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(events: AsyncGenerator[str, None]) -> StreamingResponse:
     """A streamed answer: `events`, then `[DONE]`."""
     return StreamingResponse(_ending_with_done(events), media_type="text/event-stream")
 
 
-async def _ending_with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _ending_with_done(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
     # Once the first event is sent the status is 200 for good, so a failure mid-stream (the
     # engine died) is told in the stream: an OpenAI error event, then [DONE] as always.
     async with aclosing(events):  # closing it now aborts the engine requests behind it
@@ -57,7 +57,7 @@ async def _ending_with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
 _END = object()
 
 
-async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of all iterators as they come, tagged with the iterator's index. Leaving early,
     or a failure of one, cancels the others (which aborts their engine requests)."""
     if len(iterators) == 1:
@@ -70,7 +70,7 @@ async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
         try:
             async for item in iterator:
                 inbox.put_nowait((index, item, None))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer, below
             inbox.put_nowait((index, _END, exc))
         else:
             inbox.put_nowait((index, _END, None))
@@ -79,13 +79,13 @@ async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
     try:
         remaining = len(tasks)
         while remaining:
-            index, item, error = await inbox.get()
+            index, got, error = await inbox.get()
             if error is not None:
                 raise error
-            if item is _END:
+            if got is _END:
                 remaining -= 1
                 continue
-            yield index, item  # type: ignore[misc]
+            yield index, cast(T, got)  # not _END: an item that pump() put there
     finally:
         for task in tasks:
             task.cancel()

@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import engine.model_loader  # noqa: E402
-from tests.models import build_random_model  # noqa: E402
+import engine.model_loader
+from tests.models import build_random_model
 
 
 # The oracle of the token-exact tests is transformers in float32, so the suite runs in float32

@@ -13,12 +13,12 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from config import ConfigError  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels.attention import Platform, build_backend, choose  # noqa: E402
-from tests.attention_cases import DECODES, SHAPES, check_against_reference  # noqa: E402
-from tests.models import hf_greedy  # noqa: E402
-from tests.prompts import shared_prefix_prompts  # noqa: E402
+from config import ConfigError
+from engine import LLM, SamplingParams
+from kernels.attention import Platform, build_backend, choose
+from tests.attention_cases import DECODES, SHAPES, check_against_reference
+from tests.models import hf_greedy
+from tests.prompts import shared_prefix_prompts
 
 pytestmark = pytest.mark.gpu
 

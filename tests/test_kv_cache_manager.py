@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from tests.models import finish_all
 
 ALPHABET = st.integers(0, 2)  # few distinct tokens, so prefixes repeat and the cache hits

@@ -12,9 +12,9 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.sequence import Sequence
 from engine.sampler import Sampler, apply_logit_bias, apply_penalties
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 VOCAB = 50
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

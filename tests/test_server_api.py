@@ -260,7 +260,7 @@ def test_n_samples_use_consecutive_seeds(http: httpx.Client) -> None:
 
     chunks = sse_chunks(http, "/v1/completions", {**body, "n": 3})
     assert joined_texts(chunks, chat=False) == dict(enumerate(texts))
-    assert finish_reasons(chunks) == {i: ("length", None) for i in range(3)}
+    assert finish_reasons(chunks) == dict.fromkeys(range(3), ("length", None))
 
 
 def test_batched_prompts_are_prompt_major(client: openai.OpenAI, http: httpx.Client) -> None:

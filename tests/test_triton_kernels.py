@@ -20,14 +20,14 @@ if (
         raise RuntimeError("triton is not installed: pip install -e '.[dev]'")
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels.attention.triton_backend import TritonBackend  # noqa: E402
-from kernels.kv_store import store_kv as torch_store_kv  # noqa: E402
-from kernels.triton.store_kv import store_kv as triton_store_kv  # noqa: E402
-from tests.attention_cases import check_against_reference  # noqa: E402
-from tests.prompts import shared_prefix_prompts  # noqa: E402
+from engine import LLM, SamplingParams
+from kernels.attention.triton_backend import TritonBackend
+from kernels.kv_store import store_kv as torch_store_kv
+from kernels.triton.store_kv import store_kv as triton_store_kv
+from tests.attention_cases import check_against_reference
+from tests.prompts import shared_prefix_prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

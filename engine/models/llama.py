@@ -21,10 +21,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from engine.errors import ModelLoadError
 from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from engine.parallel.shard import Shard, all_reduce, gather_columns
+from engine.parallel.shard import WHOLE, Shard, all_reduce, gather_columns
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu.packed_linear import can_pack, linear, pack
 
@@ -103,7 +104,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, shard: Shard) -> None:
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, shard: Shard) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = head_dim_of(cfg)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, shard: Shard) -> None:
+    def __init__(self, cfg: PretrainedConfig, shard: Shard) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
@@ -159,14 +160,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, shard: Shard) -> None:
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x, ctx.fused), ctx)
         h, x = self.post_attention_layernorm.add_forward(attn, x, ctx.fused)
         return x + self.mlp(h, ctx.fused)
@@ -177,9 +178,9 @@ class ForwardContext:
 
     def __init__(
         self,
-        cos_sin,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
-        kv_caches,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         fused: ModuleType | None,
     ) -> None:
@@ -191,7 +192,7 @@ class ForwardContext:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, shard: Shard = Shard()) -> None:
+    def __init__(self, cfg: PretrainedConfig, shard: Shard = WHOLE) -> None:
         super().__init__()
         self.config = cfg
         self.shard = shard
@@ -207,6 +208,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.fused_ops: ModuleType | None = None
 
+    @property
+    def layer0(self) -> DecoderLayer:
+        """The first layer: every layer's shapes (this rank's heads and columns) are the same."""
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this rank (what one layer's KV cache is sized for)."""
+        return self.layer0.self_attn.num_kv_heads
+
     def pack_weights(self) -> bool:
         """Prepack every linear weight for oneDNN (CPU, bfloat16), after loading; the unpacked
         copies are dropped, but the embedding's, which the lookup still reads. False if the
@@ -216,11 +229,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.lm_head_packed = pack(head)
         if not self.tie_word_embeddings:
-            self.lm_head.weight = None
+            self.lm_head.register_parameter("weight", None)
         for module in self.modules():
             if isinstance(module, (Linear, RowParallelLinear)) and module.weight is not None:
                 module.packed = pack(module.weight)
-                module.weight = None
+                module.register_parameter("weight", None)
         return True
 
     def fuse_cpu_ops(self) -> str | None:
@@ -258,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.rotary is None:
+            raise RuntimeError("init_rotary() must run before the first forward")
         ctx = ForwardContext(
             self.rotary.lookup(positions), backend, kv_caches, meta, self.fused_ops
         )
@@ -317,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
         """This rank's slice of a checkpoint tensor: (dim, first, count) by the layer it feeds."""
         if self.shard.size == 1:
             return source[:]
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        attn, mlp = self.layer0.self_attn, self.layer0.mlp
         d = attn.head_dim
         if part == "q":
             dim, first, count = 0, attn.q_head0 * d, attn.q_size
@@ -338,8 +353,7 @@ class LlamaForCausalLM(nn.Module):
         return source[first : first + count] if dim == 0 else source[:, first : first + count]
 
     def _fused_offset(self, name: str, part: str) -> int:
-        attn = self.layers[0].self_attn
-        mlp = self.layers[0].mlp
+        attn, mlp = self.layer0.self_attn, self.layer0.mlp
         return {
             "q": 0,
             "k": attn.q_size,
@@ -355,7 +369,7 @@ class CheckpointTensor(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
-def head_dim_of(cfg) -> int:
+def head_dim_of(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers import PretrainedConfig
+
 from engine.errors import ModelLoadError
 
 # architecture name -> model_type; all run on engine.models.llama.
@@ -13,7 +15,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-def resolve_architecture(hf_config) -> str:
+def resolve_architecture(hf_config: PretrainedConfig) -> str:
     names = list(getattr(hf_config, "architectures", None) or [])
     if not names:  # a config built from its class in code names no architecture
         names = [

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from engine.errors import ModelLoadError
 
 
-def rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
     """The config's RoPE settings whichever transformers version wrote them."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy = getattr(hf_config, "rope_scaling", None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
 from engine.errors import ModelLoadError
 
@@ -38,7 +39,10 @@ class Shard:
         return self.rank // (self.size // num_kv_heads), 1
 
 
-def check_shardable(hf_config, size: int) -> None:
+WHOLE = Shard()  # one process holds the whole model
+
+
+def check_shardable(hf_config: PretrainedConfig, size: int) -> None:
     """Refuse, before anything starts, a rank count that does not divide the model."""
     if size == 1:
         return

@@ -58,7 +58,7 @@ def worker_main(
         _, runner = build_runner(
             config, Shard(rank, config.parallel.tensor_parallel_size), max_model_len
         )
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - rank 0 raises it, named, for every cause
         conn.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     conn.send("loaded")

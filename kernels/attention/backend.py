@@ -9,7 +9,7 @@ positions of its `seqlens_k[i]` tokens of context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +24,7 @@ class AttentionMetadata:
     query_lens: list[int]
     context_lens: list[int]
     # Whatever a backend derives from this metadata once per step and reuses in every layer.
-    backend_plan: object | None = None
+    backend_plan: Any = None
 
     @property
     def num_reqs(self) -> int:

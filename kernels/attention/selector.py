@@ -47,7 +47,7 @@ def choose(requested: str, platform: Platform, block_size: int | None = None) ->
         return AttentionChoice(
             requested, "forced by --attention-backend", _or_default(block_size, entry)
         )
-    passed_over = []
+    passed_over: list[str] = []
     for entry in BACKENDS:
         if platform.kind not in entry.auto_on:
             continue

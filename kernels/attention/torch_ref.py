@@ -102,6 +102,7 @@ class TorchReferenceBackend:
         v_flat = v_cache.view(num_blocks * block_size, kv_heads, dim)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
+            assert plan.decode_slots is not None  # planned together with decode_rows
             batch, length = plan.decode_slots.shape
             flat = plan.decode_slots.flatten()
             keys = k_flat.index_select(0, flat).view(batch, length, kv_heads, dim).transpose(1, 2)

@@ -32,6 +32,7 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one (then `weight` may be None)."""
     if packed is None:
+        assert weight is not None, "a layer that was not packed keeps its weight"
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
