@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.launch import KernelLaunch
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -99,38 +101,60 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    num_tokens, heads, dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0 or seqlens_k.shape[0] == 0:
+        return out
+    paged_attention_launch(
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seqlens_k, max_query_len, scale
+    ).run()
+    return out
+
+
+def paged_attention_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> KernelLaunch:
+    """The kernel's launch for these tensors (shapes as `paged_attention`'s): the tiles are
+    chosen here, and the GPU compile test reads them from here too."""
+    _, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty_like(q) if out is None else out
-    num_reqs = seqlens_k.shape[0]
-    if num_tokens == 0 or num_reqs == 0:
-        return out
     block_m = 16
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot wants every side >= 16
     block_n = 64 if block_d <= 128 else 32  # keeps a K and a V tile in registers at head_dim 256
-    grid = (triton.cdiv(max_query_len, block_m), heads, num_reqs)
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        cu_seqlens_q,
-        seqlens_k,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        QUERIES_PER_KV=heads // kv_heads,
-        KV_HEADS=kv_heads,
-        HEAD_DIM=dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    return KernelLaunch(
+        kernel=_paged_attention_kernel,
+        grid=(triton.cdiv(max_query_len, block_m), heads, seqlens_k.shape[0]),
+        args={
+            "q_ptr": q,
+            "k_cache_ptr": k_cache,
+            "v_cache_ptr": v_cache,
+            "out_ptr": out,
+            "block_tables_ptr": block_tables,
+            "cu_seqlens_q_ptr": cu_seqlens_q,
+            "seqlens_k_ptr": seqlens_k,
+            "scale": scale,
+            "stride_q_tok": q.stride(0),
+            "stride_q_head": q.stride(1),
+            "stride_o_tok": out.stride(0),
+            "stride_o_head": out.stride(1),
+            "stride_table": block_tables.stride(0),
+        },
+        constexprs={
+            "QUERIES_PER_KV": heads // kv_heads,
+            "KV_HEADS": kv_heads,
+            "HEAD_DIM": dim,
+            "BLOCK_D": block_d,
+            "BLOCK_SIZE": block_size,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        },
     )
-    return out

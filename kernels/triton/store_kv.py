@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.launch import KernelLaunch
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -39,20 +41,35 @@ def store_kv(
 ) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] (token rows may be strided, as a slice of a fused
     qkv projection is); caches: [num_blocks, block_size, kv_heads, head_dim], contiguous."""
-    num_tokens, heads, dim = k.shape
-    if num_tokens == 0:
+    if k.shape[0] == 0:
         return
+    store_kv_launch(k, v, k_cache, v_cache, slot_mapping).run()
+
+
+def store_kv_launch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> KernelLaunch:
+    """The kernel's launch for these tensors (shapes as `store_kv`'s), also read by the GPU
+    compile test."""
+    num_tokens, heads, dim = k.shape
     assert k.stride(2) == 1 and k.stride(1) == dim and v.stride(2) == 1 and v.stride(1) == dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     row = heads * dim
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        ROW=row,
-        BLOCK=triton.next_power_of_2(row),
+    return KernelLaunch(
+        kernel=_store_kv_kernel,
+        grid=(num_tokens,),
+        args={
+            "k_ptr": k,
+            "v_ptr": v,
+            "k_cache_ptr": k_cache,
+            "v_cache_ptr": v_cache,
+            "slot_mapping_ptr": slot_mapping,
+            "stride_k": k.stride(0),
+            "stride_v": v.stride(0),
+        },
+        constexprs={"ROW": row, "BLOCK": triton.next_power_of_2(row)},
     )
