@@ -30,7 +30,9 @@ class LLM:
         return self.engine.tokenizer
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        """Stop the tensor-parallel worker processes and leave the process group, if any, so that
+        another tensor-parallel `LLM` can start in this process; a second call does nothing.
+        Dropping the last reference to this `LLM` (or leaving its `with` block) does the same."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -2,16 +2,24 @@
 spawned workers for ranks 1..N-1 (`TensorParallelExecutor`). Either way the engine hands over a
 step's `HostBatch` and gets the logits back; the scheduler, block manager and sampler never
 learn that ranks exist.
+
+The workers and the process group are stopped by `close()` or, failing that, when the executor
+is collected or the interpreter exits: a `weakref.finalize` holds only `_Ranks` (what stopping
+needs), and the monitor thread holds the executor weakly, so nothing keeps a dropped engine
+alive and a later tensor-parallel engine in this process can start its own group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -63,49 +71,129 @@ class _Worker:
     conn: Connection
 
 
+@dataclass
+class _Ranks:
+    """Everything needed to stop the tensor-parallel ranks, and nothing that leads back to the
+    executor or the engine: the finalizer and the monitor thread hold this."""
+
+    workers: list[_Worker] = field(default_factory=list)
+    closing: threading.Event = field(default_factory=threading.Event)
+    failure: str | None = None
+    group: dist.ProcessGroup | None = None  # rank 0's default group, once joined
+    # Joining set this thread's torch thread count for rank 0's share of the cores; a thread's
+    # count can only be set back from that thread.
+    threads: tuple[threading.Thread, int] | None = None
+    monitor: threading.Thread | None = None
+    pid: int = field(default_factory=os.getpid)  # the process whose workers these are
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def _describe_dead(ranks: _Ranks, timeout: float = 0.0) -> str | None:
+    """Which workers are gone (waiting up to `timeout` for one to be); None if none is."""
+    ended = wait([w.process.sentinel for w in ranks.workers], timeout)
+    dead = [w for w in ranks.workers if w.process.sentinel in ended]
+    for worker in dead:
+        worker.process.join(JOIN_SECONDS)  # reaped, so that its exit status is known
+    if dead:
+        ranks.failure = ", ".join(
+            f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}" for w in dead
+        )
+    return ranks.failure
+
+
+def _watch(ranks: _Ranks, owner: weakref.ref[TensorParallelExecutor]) -> None:
+    wait([w.process.sentinel for w in ranks.workers])
+    # At interpreter exit multiprocessing terminates daemonic children before the finalizer
+    # runs (its exit hook was registered first): an exit, not a failure.
+    if ranks.closing.is_set() or not threading.main_thread().is_alive():
+        return
+    log.error("%s", _describe_dead(ranks))
+    executor = owner()
+    if executor is not None and executor.on_failure is not None:
+        executor.on_failure()
+
+
+def _stop_workers(ranks: _Ranks) -> None:
+    for worker in ranks.workers:
+        with contextlib.suppress(OSError):  # its end is closed: it is gone already
+            worker.conn.send_bytes(STOP)
+    for worker in ranks.workers:
+        worker.process.join(JOIN_SECONDS)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
+
+
+def _shut_down(ranks: _Ranks) -> None:
+    """Stop the workers, leave the process group and end the monitor thread. Runs once, from
+    `close()`, the executor's collection (on whichever thread collects it) or interpreter exit."""
+    if os.getpid() != ranks.pid:  # a forked child exiting: the workers are its parent's
+        return
+    ranks.closing.set()  # first, so that the monitor takes the workers' exits for a shutdown
+    _stop_workers(ranks)
+    # Only the group this executor made: the default group is per process, and destroying it is
+    # what lets the next tensor-parallel engine here initialize its own.
+    if ranks.group is not None and dist.is_initialized() and dist.group.WORLD is ranks.group:
+        dist.destroy_process_group()
+    if ranks.threads is not None and ranks.threads[0] is threading.current_thread():
+        torch.set_num_threads(ranks.threads[1])
+    monitor = ranks.monitor
+    if monitor is not None and monitor is not threading.current_thread():
+        monitor.join(JOIN_SECONDS)
+
+
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        if dist.is_initialized():  # else the workers would wait for a group that never forms
+            raise ModelLoadError(
+                "a torch.distributed process group already exists in this process: close the "
+                "other tensor-parallel engine first"
+            )
         size = config.parallel.tensor_parallel_size
         port = _free_port()
         context = mp.get_context("spawn")  # a fork would copy this process's threads and locks
-        self.workers: list[_Worker] = []
-        self.failure: str | None = None
         self.on_failure: Callable[[], None] | None = None  # called on the monitor thread
-        self._closing = False
-        for rank in range(1, size):
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=worker_main,
-                args=(config.model_dump_json(), rank, port, max_model_len, child),
-                name=f"pagedserve-tp{rank}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self.workers.append(_Worker(rank, process, parent))
+        self._ranks = _Ranks()
+        self._finalizer = weakref.finalize(self, _shut_down, self._ranks)
         try:
+            for rank in range(1, size):
+                parent, child = context.Pipe()
+                process = context.Process(
+                    target=worker_main,
+                    args=(config.model_dump_json(), rank, port, max_model_len, child),
+                    name=f"pagedserve-tp{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child.close()
+                self._ranks.workers.append(_Worker(rank, process, parent))
             self.loaded, self.runner = build_runner(config, Shard(0, size), max_model_len)
             self._wait_until_loaded()
+            self._ranks.threads = (threading.current_thread(), torch.get_num_threads())
+            join_group(config, 0, port)
+            self._ranks.group = dist.group.WORLD
         except BaseException:
-            self._stop_workers()
+            self._finalizer()
             raise
-        join_group(config, 0, port)
         log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
-        self._monitor = threading.Thread(
-            target=self._watch, name="pagedserve-tp-monitor", daemon=True
+        self._ranks.monitor = threading.Thread(
+            target=_watch,
+            args=(self._ranks, weakref.ref(self)),
+            name="pagedserve-tp-monitor",
+            daemon=True,
         )
-        self._monitor.start()
+        self._ranks.monitor.start()
 
     def _wait_until_loaded(self) -> None:
         """Every worker's shard loaded, or the first failure raised: a worker that dies first
         closes its end of the pipe, so start-up never waits on one that will not come."""
-        for worker in self.workers:
+        for worker in self._ranks.workers:
             try:
                 message = worker.conn.recv()
             except EOFError:
@@ -116,34 +204,15 @@ class TensorParallelExecutor:
                     f"tensor-parallel rank {worker.rank} failed to start: {message}"
                 )
 
-    def _watch(self) -> None:
-        wait([w.process.sentinel for w in self.workers])
-        if self._closing:
-            return
-        log.error("%s", self._describe_dead())
-        if self.on_failure is not None:
-            self.on_failure()
-
-    def _describe_dead(self, timeout: float = 0.0) -> str | None:
-        """Which workers are gone (waiting up to `timeout` for one to be); None if none is."""
-        ended = wait([w.process.sentinel for w in self.workers], timeout)
-        dead = [w for w in self.workers if w.process.sentinel in ended]
-        for worker in dead:
-            worker.process.join(JOIN_SECONDS)  # reaped, so that its exit status is known
-        if dead:
-            self.failure = ", ".join(
-                f"tensor-parallel rank {w.rank} exited with status {w.process.exitcode}"
-                for w in dead
-            )
-        return self.failure
-
     def check(self) -> None:
-        if self.failure is not None:
-            raise WorkerDiedError(self.failure)
+        if self._ranks.failure is not None:
+            raise WorkerDiedError(self._ranks.failure)
+        if not self._finalizer.alive:
+            raise WorkerDiedError("the tensor-parallel workers were stopped: the engine is closed")
 
     def _send(self, data: bytes) -> None:
         self.check()
-        for worker in self.workers:
+        for worker in self._ranks.workers:
             try:
                 worker.conn.send_bytes(data)
             except OSError as exc:  # a worker's end of the pipe is closed: it is gone
@@ -161,29 +230,13 @@ class TensorParallelExecutor:
             logits = self.runner.execute(batch)
         except Exception as exc:
             # A collective fails when a peer dies: name the rank rather than the socket error.
-            if self._describe_dead(timeout=DEATH_NOTICE_SECONDS) is not None:
-                raise WorkerDiedError(self.failure) from exc
+            failure = _describe_dead(self._ranks, timeout=DEATH_NOTICE_SECONDS)
+            if failure is not None:
+                raise WorkerDiedError(failure) from exc
             raise
         assert logits is not None
         return logits
 
     def close(self) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        self._stop_workers()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def _stop_workers(self) -> None:
-        for worker in self.workers:
-            try:
-                worker.conn.send_bytes(STOP)
-            except OSError:
-                pass
-        for worker in self.workers:
-            worker.process.join(JOIN_SECONDS)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
+        """Stop the workers and leave the process group; a second call does nothing."""
+        self._finalizer()
