@@ -26,8 +26,10 @@ if importlib.util.find_spec("triton") is None:  # as in test_triton_kernels.py
 from pydantic import ValidationError
 
 from config.engine_config import CacheConfig, DType
-from kernels.attention.selector import DEFAULT_BLOCK_SIZE
+from kernels.attention.registry import BY_NAME
 from tests.triton_compile import MODELS, Case, Outcome, compile_cases
+
+DEFAULT_BLOCK_SIZE = BY_NAME["triton"].default_block_size
 
 # The most shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin, which
 # Triton checks a kernel against before its first launch): the SM's 164 KiB (A100) or 228 KiB
