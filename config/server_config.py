@@ -9,6 +9,9 @@ from pydantic import Field
 from config.engine_config import EngineConfig, _Strict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+# Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
+# dashboards, alerts and autoscaler rules written for a vLLM server work against this one.
+MetricsNames = Literal["pagedserve", "vllm"]
 
 
 class ServerConfig(_Strict):
@@ -56,6 +59,11 @@ class ServerConfig(_Strict):
         description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
+    metrics_names: MetricsNames = Field(
+        "pagedserve",
+        description="names at /metrics: 'pagedserve' (pagedserve:*), or 'vllm' for vLLM's own "
+        'names and labels (vllm:*, engine="0") so that vLLM dashboards work unchanged',
+    )
 
 
 class ServeConfig(_Strict):

@@ -21,6 +21,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import APIError, engine_dead, install_error_handlers
 from server.inputs import chat_messages, render_chat
+from server.metric_names import MetricNames
 from server.metrics import EngineMetrics
 from server.protocol import (
     ChatCompletion,
@@ -44,6 +45,7 @@ def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
         info.block_size,
         info.num_kv_blocks,
         info.max_model_len,
+        MetricNames(config.metrics_names),
     )
     engine.on_stats = metrics.record
     return metrics

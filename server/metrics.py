@@ -1,15 +1,15 @@
-"""Prometheus metrics with vLLM's names, types, units and buckets (prefix `pagedserve:`, label
-`model_name`), so that dashboards and alerts written for vLLM carry over. They are fed from the
-engine thread with `EngineStats` after every iteration, including idle ones, so gauges never
-go stale: once the last request ends or is aborted, running, waiting and KV usage read 0."""
+"""Prometheus metrics that measure what vLLM's do, with vLLM's types, units and buckets, named
+by `server.metric_names`: ours (`pagedserve:*`, label `model_name`) or, on request, vLLM's exact
+names and labels. They are fed from the engine thread with `EngineStats` after every iteration,
+including idle ones, so gauges never go stale: once the last request ends or is aborted,
+running, waiting and KV usage read 0."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import EngineStats
-
-PREFIX = "pagedserve:"
+from server.metric_names import MetricNames
 
 # Bucket boundaries as vLLM publishes them.
 TTFT_BUCKETS = [
@@ -106,77 +106,80 @@ class EngineMetrics:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
+        names: MetricNames | None = None,
     ) -> None:
         self.registry = registry
-        labels = ["model_name"]
+        names = names or MetricNames()
+        fixed = names.labels
+        labels = ["model_name", *fixed]
+        m = (model_name, *fixed.values())  # the values of `labels`, for every series
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=registry)
+            return Gauge(names.name(name), doc, labels, registry=registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=registry)
+            return Counter(names.name(name), doc, [*labels, *extra], registry=registry)
 
         def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry)
+            return Histogram(names.name(name), doc, labels, buckets=buckets, registry=registry)
 
-        m = model_name
-        self.running = gauge("num_requests_running", "Sequences in the running batch.").labels(m)
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
+        self.running = gauge("num_requests_running", "Sequences in the running batch.").labels(*m)
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(*m)
         self.kv_usage = gauge(
             "kv_cache_usage_perc", "KV cache usage: 1 means every block is in use."
-        ).labels(m)
-        self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(m)
+        ).labels(*m)
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(*m)
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        ).labels(m)
+        ).labels(*m)
         self.prefix_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        ).labels(m)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(m)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
+        ).labels(*m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(*m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*m)
         success = counter("request_success", "Requests finished, by reason.", ("finished_reason",))
-        self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
+        self.success = {reason: success.labels(*m, reason) for reason in FINISH_REASONS}
         rejected = counter("request_rejected", "Requests refused with 503, by reason.", ("reason",))
-        self.rejected = {reason: rejected.labels(m, reason) for reason in REJECT_REASONS}
+        self.rejected = {reason: rejected.labels(*m, reason) for reason in REJECT_REASONS}
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
-        ).labels(m)
+        ).labels(*m)
         self.itl = histogram(
             "inter_token_latency_seconds",
             "Time between successive tokens of a sample.",
             ITL_BUCKETS,
-        ).labels(m)
+        ).labels(*m)
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS
-        ).labels(m)
+        ).labels(*m)
         self.queue = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
-        ).labels(m)
+        ).labels(*m)
         self.prefill = histogram(
             "request_prefill_time_seconds",
             "First scheduled to first token.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(m)
+        ).labels(*m)
         self.decode = histogram(
             "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
-        ).labels(m)
+        ).labels(*m)
         token_buckets = one_two_five_buckets(max_model_len)
         self.request_prompt = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", token_buckets
-        ).labels(m)
+        ).labels(*m)
         self.request_generation = histogram(
             "request_generation_tokens", "Generated tokens per request.", token_buckets
-        ).labels(m)
+        ).labels(*m)
         self.iteration = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
-        ).labels(m)
+        ).labels(*m)
         info = Gauge(
-            PREFIX + "cache_config_info",
+            names.name("cache_config_info"),
             "KV cache configuration.",
-            ["block_size", "num_gpu_blocks"],
+            ["block_size", "num_gpu_blocks", *fixed],
             registry=registry,
         )
-        info.labels(str(block_size), str(num_blocks)).set(1)
+        info.labels(str(block_size), str(num_blocks), *fixed.values()).set(1)
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""

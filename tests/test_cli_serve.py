@@ -53,6 +53,8 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None
     assert config.server.served_model_name == ["a", "b"]
     assert config.server.allowed_origins == ["http://x", "http://y"]
     assert config.engine.scheduler.max_num_batched_tokens == 2048  # default
+    assert config.server.metrics_names == "pagedserve"  # default: our own names
+    assert serve_config({}, {"PAGEDSERVE_METRICS_NAMES": "vllm"}).server.metrics_names == "vllm"
 
 
 @pytest.mark.parametrize(
@@ -67,6 +69,7 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None
             ["max-num-sequences", "unknown setting", "max_num_seqs"],
         ),
         ({}, {}, "- just\n- a list\n", ["expected a mapping"]),
+        ({}, {"PAGEDSERVE_METRICS_NAMES": "prom"}, None, ["--metrics-names", "'vllm'"]),
         ({}, {}, "port: [\n", ["cannot read"]),
     ],
 )

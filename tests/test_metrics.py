@@ -137,6 +137,23 @@ def test_vllm_names_types_and_cache_info(server: RunningServer) -> None:
     assert prompt_bounds[-3:] == ["2000.0", "5000.0", "+Inf"]
 
 
+def test_default_names_are_ours_alone(server: RunningServer) -> None:
+    """vLLM's names and its `engine` label appear only with `--metrics-names vllm`."""
+    families = list(
+        text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text)
+    )
+    assert families and all(f.name.startswith("pagedserve:") for f in families)
+    labels = {name for f in families for s in f.samples for name in s.labels}
+    assert labels == {
+        "model_name",
+        "finished_reason",
+        "reason",
+        "le",
+        "block_size",
+        "num_gpu_blocks",
+    }
+
+
 def test_kv_usage_while_running_then_zero_and_aborts_counted(server: RunningServer) -> None:
     wait_until_idle(server.engine)
     before = scrape(server.url)
