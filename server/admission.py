@@ -1,5 +1,6 @@
-"""Which generation requests get in (those of routes declared with `GeneratingRoute`): none once the server is draining for shutdown, and none
-while the queue is full. Both are refused at once with 503, before the body is even read.
+"""Which generation requests get in (those of routes declared with `GeneratingRoute`): none
+once the server is draining for shutdown, and none while the queue is full. Both are refused at
+once with 503, before the body is even read.
 
 A request counts as *waiting* from its admission until its first token (or its end): that
 covers the time it spends being tokenized and in the engine's queue, so a burst of a thousand
