@@ -1,12 +1,15 @@
 """A real server for tests: uvicorn on 127.0.0.1 at a free port, in a background thread of the
 test process, so that tests can also look inside the engine (running and waiting requests,
-free KV blocks) after talking to it over real HTTP."""
+free KV blocks) after talking to it over real HTTP; or the real daemon in a subprocess; and
+its /metrics as Prometheus parses them."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,12 +18,15 @@ from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from config import EngineConfig, ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import create_app
 from server.lifecycle import DrainingServer
 from server.metrics import EngineMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class RunningServer:
@@ -246,3 +252,73 @@ def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Respo
             return response
         assert time.monotonic() < deadline, f"{url} still answers {response.status_code}"
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the server did not exit within {timeout} s:\n{self.log.read_text()[-3000:]}"
+            ) from None
+
+
+def start_daemon(
+    tmp_path: Path, args: list[str], module: str = "server.cli", env: dict[str, str] | None = None
+) -> Daemon:
+    """`module serve ARGS` on a free port, logging to tmp_path/serve.log; once /health answers."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    daemon = Daemon(process, f"http://127.0.0.1:{port}", log)
+    try:
+        wait_until_answering(daemon.url + "/health", process, log, timeout=180)
+    except BaseException:
+        process.kill()
+        raise
+    return daemon
+
+
+def stop(daemon: Daemon) -> None:
+    """Kill the daemon if it still runs, so that a failed test leaves no server behind."""
+    if daemon.process.poll() is None:
+        daemon.process.kill()
+        daemon.process.wait()
+
+
+# --------------------------------------------------------------------------- metrics
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+# The model_name label `value` reads: servers whose metrics a test scrapes serve this name.
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def scrape(url: str) -> Samples:
+    response = httpx.get(url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get(
+        ("pagedserve:" + name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0
+    )

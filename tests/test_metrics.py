@@ -15,27 +15,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from config import ServerConfig
 from server.app import attach_metrics
-from tests.server_harness import RunningServer, start_engine, wait_until_idle
+from tests.server_harness import (
+    MODEL,
+    RunningServer,
+    Samples,
+    scrape,
+    start_engine,
+    value,
+    wait_until_idle,
+)
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-MODEL = "SmolLM2-135M-Instruct"
 LABEL = (("model_name", MODEL),)
-
-
-def scrape(url: str) -> Samples:
-    response = httpx.get(url + "/metrics", timeout=10)
-    assert response.status_code == 200
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get(
-        ("pagedserve:" + name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0
-    )
 
 
 def delta(before: Samples, after: Samples) -> Callable[..., float]:

@@ -21,13 +21,15 @@ from config import ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import attach_metrics
 from tests.server_harness import (
+    MODEL,
     RunningServer,
     Stream,
     assert_openai_error,
+    scrape,
     start_engine,
+    value,
     wait_until_idle,
 )
-from tests.test_metrics import MODEL, scrape, value
 
 ENGINE_SETTINGS = {"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 8}
 

@@ -5,61 +5,13 @@ fails mid-step fails the requests in flight and makes the process exit 1, never 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from tests.server_harness import Stream, free_port, wait_for_status, wait_until_answering
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Daemon:
-    process: subprocess.Popen
-    url: str
-    log: Path
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"the server did not exit within {timeout} s:\n{self.log.read_text()[-3000:]}"
-            ) from None
-
-
-def start_daemon(
-    tmp_path: Path, args: list[str], module: str = "server.cli", env: dict[str, str] | None = None
-) -> Daemon:
-    port = free_port()
-    log = tmp_path / "serve.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
-    daemon = Daemon(process, f"http://127.0.0.1:{port}", log)
-    try:
-        wait_until_answering(daemon.url + "/health", process, log, timeout=180)
-    except BaseException:
-        process.kill()
-        raise
-    return daemon
-
-
-def stop(daemon: Daemon) -> None:
-    if daemon.process.poll() is None:
-        daemon.process.kill()
-        daemon.process.wait()
+from tests.server_harness import Stream, start_daemon, stop, wait_for_status
 
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:

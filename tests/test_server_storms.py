@@ -21,8 +21,14 @@ from config import ServerConfig
 from engine import LLM, SamplingParams
 from server.app import attach_metrics
 from tests.conftest import SERVER_SETTINGS
-from tests.server_harness import RunningServer, start_engine, wait_until_idle
-from tests.test_metrics import MODEL, scrape, value
+from tests.server_harness import (
+    MODEL,
+    RunningServer,
+    scrape,
+    start_engine,
+    value,
+    wait_until_idle,
+)
 
 STREAM_TOKENS = 6
 

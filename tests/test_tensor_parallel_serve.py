@@ -16,8 +16,15 @@ import httpx
 
 from config import ServerConfig
 from engine import LLM, SamplingParams
-from tests.server_harness import RunningServer, Stream, start_engine, wait_for_status
-from tests.test_server_shutdown import Daemon, start_daemon, stop
+from tests.server_harness import (
+    Daemon,
+    RunningServer,
+    Stream,
+    start_daemon,
+    start_engine,
+    stop,
+    wait_for_status,
+)
 
 ARGS = ["--num-kv-blocks", "64", "--max-model-len", "256", "--tensor-parallel-size", "2"]
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
