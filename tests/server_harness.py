@@ -1,7 +1,7 @@
 """A real server for tests: uvicorn on 127.0.0.1 at a free port, in a background thread of the
 test process, so that tests can also look inside the engine (running and waiting requests,
 free KV blocks) after talking to it over real HTTP; or the real daemon in a subprocess; and
-its /metrics as Prometheus parses them."""
+its /metrics as Prometheus parses them. `wait_until` is the suite's one polling loop."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -27,6 +28,35 @@ from server.lifecycle import DrainingServer
 from server.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+# A whole /metrics scrape can be the last value a wait saw; the failure must stay readable.
+MAX_SHOWN = 2000
+
+
+def wait_until(
+    probe: Callable[[], T],
+    timeout: float,
+    *,
+    what: str,
+    until: Callable[[T], object] = bool,
+    interval: float = 0.05,
+) -> T:
+    """Call `probe` every `interval` s until `until` holds for its value (by default: until the
+    value is truthy) and return that value; after `timeout` s, fail naming `what` and the last
+    value seen, which says how far from done it was."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if until(got):
+            return got
+        if time.monotonic() >= deadline:
+            shown = repr(got)
+            if len(shown) > MAX_SHOWN:
+                shown = shown[:MAX_SHOWN] + "..."
+            raise AssertionError(f"waited {timeout:g} s for {what}; last value: {shown}")
+        time.sleep(interval)
 
 
 class RunningServer:
@@ -57,12 +87,13 @@ class RunningServer:
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, (
-                "the test server did not start"
-            )
-            time.sleep(0.02)
+
+        def started() -> bool:
+            # A server that failed to start has ended its thread: no use waiting out the timeout.
+            assert self._server.started or self._thread.is_alive(), "the test server did not start"
+            return self._server.started
+
+        wait_until(started, 30, interval=0.02, what="the test server to start")
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -159,16 +190,12 @@ def engine_state(engine: AsyncEngine) -> EngineState:
 
 def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> EngineState:
     """The engine state once no request is left in it (aborts land at the next step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = engine_state(engine)
-        if (state.running, state.waiting, state.requests) == (
-            0,
-            0,
-            0,
-        ) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.05)
+    return wait_until(
+        lambda: engine_state(engine),
+        timeout,
+        until=lambda state: (state.running, state.waiting, state.requests) == (0, 0, 0),
+        what="the engine to hold no request",
+    )
 
 
 def start_engine(**settings: object) -> AsyncEngine:
@@ -185,16 +212,17 @@ def free_port() -> int:
 
 def wait_until_answering(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
     """Poll `url` until it answers 200; fail with the process's log if it dies or never does."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def status() -> int | None:
         assert process.poll() is None, log.read_text()[-4000:]
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not answer within {timeout:.0f} s"
-        time.sleep(0.2)
+            return httpx.get(url, timeout=2).status_code
+        except httpx.TransportError:  # not listening yet
+            return None
+
+    wait_until(
+        status, timeout, until=lambda code: code == 200, interval=0.2, what=f"{url} to answer 200"
+    )
 
 
 @dataclass
@@ -245,13 +273,12 @@ class Stream:
 
 
 def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        response = httpx.get(url, timeout=5)
-        if response.status_code == status:
-            return response
-        assert time.monotonic() < deadline, f"{url} still answers {response.status_code}"
-        time.sleep(0.05)
+    return wait_until(
+        lambda: httpx.get(url, timeout=5),
+        timeout,
+        until=lambda response: response.status_code == status,
+        what=f"{url} to answer {status}",
+    )
 
 
 # --------------------------------------------------------------------------- the daemon

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.server_harness import (
     scrape,
     start_engine,
     value,
+    wait_until,
     wait_until_idle,
 )
 
@@ -175,16 +175,14 @@ def test_kv_usage_while_running_then_zero_and_aborts_counted(server: RunningServ
         for s in during
     )
     state = wait_until_idle(server.engine)
-    deadline = time.monotonic() + 10
-    after = scrape(server.url)
-    while (
-        value(after, "request_success_total", finished_reason="abort")
-        - value(before, "request_success_total", finished_reason="abort")
-        < 3
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-        after = scrape(server.url)
+    after = wait_until(
+        lambda: scrape(server.url),
+        10,
+        until=lambda samples: (
+            delta(before, samples)("request_success_total", finished_reason="abort") >= 3
+        ),
+        what="3 aborts counted",
+    )
     d = delta(before, after)
     assert state.free_blocks == state.num_blocks
     assert d("request_success_total", finished_reason="abort") == 3

@@ -28,6 +28,7 @@ from server.app import attach_metrics
 from tests.server_harness import (
     RunningServer,
     free_port,
+    wait_until,
     wait_until_answering,
     wait_until_idle,
 )
@@ -102,21 +103,21 @@ def query(url: str, promql: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def wait_for(url: str, promql: str, want: float, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    got = None
-    while time.monotonic() < deadline:
-        got = query(url, promql)
-        if got == want:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"{promql}: Prometheus has {got}, expected {want}")
+def wait_for_answer(url: str, promql: str, want: float, timeout: float = 20.0) -> None:
+    """Prometheus sees a change only at its next scrape (every second here)."""
+    wait_until(
+        lambda: query(url, promql),
+        timeout,
+        until=lambda got: got == want,
+        interval=0.25,
+        what=f"Prometheus to answer {want} to {promql}",
+    )
 
 
 def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str) -> None:
     selector = f'{{model_name="{MODEL}"}}'
     wait_until_idle(server.engine)
-    wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
+    wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)
     generated = query(prometheus, "pagedserve:generation_tokens_total" + selector)
     finished = query(
         prometheus,
@@ -137,17 +138,17 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     wait_until_idle(server.engine)
 
-    wait_for(
+    wait_for_answer(
         prometheus, "pagedserve:generation_tokens_total" + selector, generated + n * max_tokens
     )
-    wait_for(
+    wait_for_answer(
         prometheus,
         'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
         finished + n,
     )
-    wait_for(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector, ttft + n)
-    wait_for(prometheus, "pagedserve:num_requests_running" + selector, 0.0)
-    wait_for(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
+    wait_for_answer(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector, ttft + n)
+    wait_for_answer(prometheus, "pagedserve:num_requests_running" + selector, 0.0)
+    wait_for_answer(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
     p99 = query(
         prometheus,
         "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector,
@@ -161,7 +162,7 @@ def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: s
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
     ]
     assert len(queries) >= 12
-    wait_for(prometheus, 'up{job="pagedserve"}', 1.0)
+    wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)
     # Traffic inside the queries' rate window: a shared prefix (cache hits), several steps.
     for i in range(3):
         body = {

@@ -28,6 +28,7 @@ from tests.server_harness import (
     scrape,
     start_engine,
     value,
+    wait_until,
     wait_until_idle,
 )
 
@@ -62,13 +63,6 @@ def held_steps(engine: AsyncEngine) -> Iterator[threading.Event]:
             release.set()
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def error_of(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
     return assert_openai_error(response.json())
@@ -92,7 +86,13 @@ def test_full_queue_refuses_at_once_with_retry_after_and_counts(qwen3_dir: Path)
             senders = [threading.Thread(target=send) for _ in range(4)]
             for sender in senders:
                 sender.start()
-            wait_for(lambda: gate.waiting == 4)
+            wait_until(
+                lambda: gate.waiting,
+                30,
+                until=lambda waiting: waiting == 4,
+                interval=0.02,
+                what="4 requests waiting at the gate",
+            )
             before = scrape(running.url)
             refused = [
                 httpx.post(running.url + path, json=body, timeout=5)
@@ -125,9 +125,13 @@ def test_full_queue_refuses_at_once_with_retry_after_and_counts(qwen3_dir: Path)
                 sender.join(60)
         assert [a.status_code for a in answers] == [200] * 4
         assert all(a.json()["usage"]["completion_tokens"] == 6 for a in answers)
-        wait_for(
-            lambda: (gate.waiting, gate.in_flight) == (0, 0), timeout=5
-        )  # released once the last byte is out
+        wait_until(  # released once the last byte is out
+            lambda: (gate.waiting, gate.in_flight),
+            5,
+            until=lambda counts: counts == (0, 0),
+            interval=0.02,
+            what="the gate to hold no request (waiting, in flight)",
+        )
         assert httpx.post(running.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
     finally:
         running.stop()
@@ -250,10 +254,18 @@ def test_drain_finishes_or_aborts_in_flight_and_refuses_new(
             streams = [
                 Stream(running.url, {**BODY, "max_tokens": n}).start() for n in (10, 10, 240)
             ]
-            wait_for(lambda: state.gate.in_flight == 3 and state.gate.waiting == 0)
+            wait_until(
+                lambda: (state.gate.in_flight, state.gate.waiting),
+                30,
+                until=lambda counts: counts == (3, 0),
+                interval=0.02,
+                what="3 requests in flight and none waiting",
+            )
             started = time.monotonic()
             running.drain()
-            wait_for(lambda: state.gate.draining)
+            wait_until(
+                lambda: state.gate.draining, 30, interval=0.02, what="the gate to be draining"
+            )
             refused = httpx.post(running.url + "/v1/completions", json=BODY, timeout=5)
             assert error_of(refused, 503)["message"] == "the server is shutting down"
             assert (
@@ -303,7 +315,9 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                     if i == 6:
                         break
                 closed_at = steps["n"]
-            wait_for(lambda: not inner.requests, timeout=10)
+            wait_until(
+                lambda: not inner.requests, 10, interval=0.02, what="the request to leave the engine"
+            )
             assert steps["n"] - closed_at <= 2
 
             with pytest.raises(httpx.ReadTimeout):
@@ -311,7 +325,9 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                     running.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5)
                 )
             closed_at = steps["n"]
-            wait_for(lambda: not inner.requests, timeout=10)
+            wait_until(
+                lambda: not inner.requests, 10, interval=0.02, what="the request to leave the engine"
+            )
             assert steps["n"] - closed_at <= 2
         state = wait_until_idle(engine)
         assert state.free_blocks == state.num_blocks
@@ -349,7 +365,13 @@ def test_a_request_without_a_token_within_max_queue_time_is_dropped(qwen3_dir: P
         assert value(scrape(running.url), "request_rejected_total", reason="queue_timeout") == 2
         answer = httpx.post(running.url + "/v1/completions", json=BODY, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
-        wait_for(lambda: running.app.state.server.gate.in_flight == 0, timeout=5)
+        wait_until(
+            lambda: running.app.state.server.gate.in_flight,
+            5,
+            until=lambda in_flight: in_flight == 0,
+            interval=0.02,
+            what="no request in flight at the gate",
+        )
     finally:
         running.stop()
         engine.shutdown()

@@ -27,6 +27,7 @@ from tests.server_harness import (
     scrape,
     start_engine,
     value,
+    wait_until,
     wait_until_idle,
 )
 
@@ -167,17 +168,14 @@ def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
     state = wait_until_idle(server.engine)
     assert (state.running, state.waiting, state.requests) == (0, 0, 0)
     assert state.free_blocks == state.num_blocks
-    deadline = time.monotonic() + 10  # the gauges are published after the engine's next iteration
-    while True:
-        samples = scrape(server.url)
-        gauges = [
-            value(samples, name)
-            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-        ]
-        if gauges == [0, 0, 0] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert gauges == [0, 0, 0]
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    wait_until(  # the gauges are published after the engine's next iteration
+        lambda: [value(scrape(server.url), name) for name in gauges],
+        10,
+        until=lambda values: values == [0, 0, 0],
+        interval=0.1,
+        what="the running, waiting and KV usage gauges to be 0",
+    )
     after = httpx.post(
         server.url + "/v1/completions",
         json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},

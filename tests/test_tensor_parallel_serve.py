@@ -24,6 +24,7 @@ from tests.server_harness import (
     start_engine,
     stop,
     wait_for_status,
+    wait_until,
 )
 
 ARGS = ["--num-kv-blocks", "64", "--max-model-len", "256", "--tensor-parallel-size", "2"]
@@ -80,10 +81,13 @@ def test_serves_one_ranks_tokens_and_sigterm_leaves_nothing(
         assert daemon.wait(30) == 0
     finally:
         stop(daemon)
-    deadline = time.monotonic() + 10  # the resource tracker leaves once its pipe closes
-    while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in kids if alive(pid)]
+    wait_until(  # the resource tracker leaves once its pipe closes
+        lambda: [pid for pid in kids if alive(pid)],
+        10,
+        until=lambda left: not left,
+        interval=0.1,
+        what="the daemon's child processes to exit",
+    )
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
