@@ -9,7 +9,6 @@ import gc
 import multiprocessing
 import os
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from engine import LLM, ModelLoadError, SamplingParams
 from engine.parallel.executor import WorkerDiedError
+from tests.server_harness import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16]]
@@ -45,10 +45,12 @@ def exited(pid: int | None) -> bool:
 
 
 def wait_exited(pids: list[int | None]) -> None:
-    deadline = time.monotonic() + EXIT_SECONDS
-    while not all(exited(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"workers {pids} still running"
-        time.sleep(0.05)
+    wait_until(
+        lambda: [pid for pid in pids if not exited(pid)],
+        EXIT_SECONDS,
+        until=lambda running: not running,
+        what=f"workers {pids} to exit",
+    )
 
 
 def assert_released(threads: int) -> None:

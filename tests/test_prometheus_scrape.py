@@ -252,7 +252,7 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
     queries vLLM dashboards run."""
     url = vllm_named_server.url
     with scraping(vllm_named_server.port, tmp_path) as prometheus:
-        wait_for(prometheus, 'up{job="pagedserve"}', 1.0)  # a scrape from before the traffic
+        wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)  # a scrape from before the traffic
         n, max_tokens, prompt_tokens = 3, 5, 0
         with openai.OpenAI(
             base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120
@@ -314,8 +314,8 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
             matchers = ",".join(f'{k}="{v}"' for k, v in {**SERIES_LABELS, **labels}.items())
             return f"{name}{{{matchers}}}"
 
-        wait_for(prometheus, at("vllm:generation_tokens_total"), n * max_tokens)
-        wait_for(prometheus, at("vllm:request_success_total", finished_reason="length"), n)
+        wait_for_answer(prometheus, at("vllm:generation_tokens_total"), n * max_tokens)
+        wait_for_answer(prometheus, at("vllm:request_success_total", finished_reason="length"), n)
         exact = {
             at("vllm:prompt_tokens_total"): prompt_tokens,
             at("vllm:request_success_total", finished_reason="stop"): 0,
@@ -336,11 +336,11 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
             'vllm:cache_config_info{engine="0",num_gpu_blocks="64"}': 1,
         }
         for promql, want in exact.items():
-            wait_for(prometheus, promql, want)
+            wait_for_answer(prometheus, promql, want)
         hits = query(prometheus, at("vllm:prefix_cache_hits_total"))
         assert hits is not None
         computed = prompt_tokens - hits + n * (max_tokens - 1)
-        wait_for(prometheus, at("vllm:iteration_tokens_total_sum"), computed)
+        wait_for_answer(prometheus, at("vllm:iteration_tokens_total_sum"), computed)
         names = httpx.get(prometheus + "/api/v1/label/__name__/values", timeout=5).json()
         stored = set(names["data"])  # every metric name Prometheus holds
         assert {name for name in stored if name.startswith("pagedserve:")} == {

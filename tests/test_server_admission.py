@@ -316,7 +316,10 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                         break
                 closed_at = steps["n"]
             wait_until(
-                lambda: not inner.requests, 10, interval=0.02, what="the request to leave the engine"
+                lambda: not inner.requests,
+                10,
+                interval=0.02,
+                what="the request to leave the engine",
             )
             assert steps["n"] - closed_at <= 2
 
@@ -326,7 +329,10 @@ def test_a_vanished_client_is_aborted_within_a_step(qwen3_dir: Path) -> None:
                 )
             closed_at = steps["n"]
             wait_until(
-                lambda: not inner.requests, 10, interval=0.02, what="the request to leave the engine"
+                lambda: not inner.requests,
+                10,
+                interval=0.02,
+                what="the request to leave the engine",
             )
             assert steps["n"] - closed_at <= 2
         state = wait_until_idle(engine)
