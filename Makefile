@@ -28,10 +28,10 @@ run: install
 generate: install
 	$(BIN)/pagedserve generate --chat "$(PROMPT)"
 
-# The style and type checks: ruff (lint over the packages, format over everything) and mypy
+# The style and type checks: ruff (lint and format over everything) and mypy
 # (settings in pyproject.toml). `make test` runs them first.
 lint: install
-	$(BIN)/ruff check config engine kernels server
+	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 

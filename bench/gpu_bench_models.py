@@ -35,27 +35,27 @@ SPECS: dict[str, ModelSpec] = {
     "llama3.2-1b": ModelSpec("Llama-3.2-1B shape", "llama", hf_batch_size=128),
 }
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def hf_config(name: str, vocab_size: int, tiny: bool):
     from transformers import LlamaConfig, Qwen3Config
 
     if name == "qwen3-0.6b":
-        sizes = dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        )
+        sizes = {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        }
         if tiny:
             sizes = {**TINY, "head_dim": 32}
         return Qwen3Config(
@@ -67,14 +67,14 @@ def hf_config(name: str, vocab_size: int, tiny: bool):
             rms_norm_eps=1e-6,
         )
     if name == "llama3.2-1b":
-        sizes = dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-        )
+        sizes = {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+        }
         if tiny:
             sizes = {**TINY, "head_dim": 16}
         return LlamaConfig(

@@ -38,7 +38,7 @@ class Progress:
     def attempt(self, key: str, part: Callable[[], Record]) -> None:
         try:
             self.parts[key] = {"status": "ok", **part()}
-        except Exception as exc:  # recorded, not raised: the remaining parts still run
+        except Exception as exc:  # noqa: BLE001 - recorded, not raised: the other parts still run
             traceback.print_exc()
             self.parts[key] = {"status": f"failed: {describe(exc)}"}
         self.save()
@@ -101,8 +101,10 @@ def run_build(task: Record, progress: Progress) -> None:
     )
     for name in task["models"]:
         folder = Path(task["root"]) / name
+        # attempt calls the part at once, so the loop variables are the current ones.
         progress.attempt(
-            name, lambda: build(name, folder, device, dtype, task["tiny"], task["seed"])
+            name,
+            lambda: build(name, folder, device, dtype, task["tiny"], task["seed"]),  # noqa: B023
         )
 
 
@@ -216,7 +218,11 @@ def run_pagedserve(task: Record, progress: Progress) -> None:
         },
     )
     for plan in decode["plans"] if decode else []:
-        progress.attempt(f"decode_{plan['batch']}", lambda: decode_step(llm, prompts, plan, device))
+        # attempt calls the part at once, so `plan` is the current one.
+        progress.attempt(
+            f"decode_{plan['batch']}",
+            lambda: decode_step(llm, prompts, plan, device),  # noqa: B023
+        )
 
 
 # --------------------------------------------------------------------------- transformers
@@ -359,9 +365,8 @@ def main(argv: list[str]) -> int:
     progress = Progress(Path(argv[2]))
     try:
         TASKS[task["kind"]](task, progress)
-    except (
-        Exception
-    ) as exc:  # outside any part (loading a model): the parts not reached fail with it
+    # Outside any part (loading a model): the parts not reached fail with it.
+    except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         progress.parts["error"] = describe(exc)
         progress.save()

@@ -12,6 +12,7 @@ here as it would on a GPU. What this cannot show is the kernels' own numerics.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -78,8 +79,8 @@ def fa2_varlen(
     assert cu_seqlens_k.shape == (batch + 1,)
     _check_paged(k, v, block_table, batch)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    lens_q = [b - a for a, b in itertools.pairwise(cu_q)]
+    lens_k = [b - a for a, b in itertools.pairwise(cu_k)]
     assert max(lens_q) <= max_seqlen_q and max(lens_k) <= max_seqlen_k
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out = torch.empty_like(q)

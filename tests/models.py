@@ -30,15 +30,15 @@ def tokenizer_dir(name: str) -> Path:
 def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+    }
     if arch == "llama":  # GQA 4:1, untied, Llama-3 RoPE scaling
         cfg = LlamaConfig(
             **common,

@@ -255,7 +255,7 @@ class Stream:
                         data = line[len("data: ") :]
                         self.events.append(data if data == "[DONE]" else json.loads(data))
                         self.first_event.set()
-        except BaseException as exc:  # a server that exits at once cuts the stream
+        except BaseException as exc:  # noqa: BLE001 - a server that exits at once cuts the stream
             self.error = exc
             self.first_event.set()
 

@@ -93,8 +93,8 @@ def test_padded_decode_steps_give_the_same_tokens(
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):
-        got_lp = [list(p.values())[0] for p in g.outputs[0].logprobs]
-        want_lp = [list(p.values())[0] for p in w.outputs[0].logprobs]
+        got_lp = [next(iter(p.values())) for p in g.outputs[0].logprobs]
+        want_lp = [next(iter(p.values())) for p in w.outputs[0].logprobs]
         assert got_lp == pytest.approx(want_lp, abs=1e-5)
     assert llm.last_run_stats.num_preemptions > 0 and llm.last_run_stats.prefix_cache_hits > 0
     assert any(n < size for n, size in sizes), sizes  # some steps were padded

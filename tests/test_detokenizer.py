@@ -22,7 +22,7 @@ TEXTS = [
     "A family 👨‍👩‍👧‍👦, a thumbs up 👍🏽 and a technologist 🧑🏿‍💻.",
     "日本語のテキスト、中文文本和한국어 텍스트。",
     "café naïve résumé Ångström Øre façade, e\u0301 combined, ñ",
-    "Mixed: 東京 🗼 — “quotes” ½ € 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok\n\tend 🤷‍♀️",
+    "Mixed: 東京 🗼 — “quotes” ½ € 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok\n\tend 🤷‍♀️",  # noqa: RUF001 - on purpose
 ]
 
 

@@ -364,7 +364,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
 
 
 def test_a_fork_on_a_block_boundary_needs_no_copy() -> None:
-    kv, parent, child = forked_pair(prompt_len=8)
+    kv, parent, _child = forked_pair(prompt_len=8)
     parent.append_token(100)
     assert kv.allocate_slots(parent, 1)
     assert kv.take_pending_copies() == []
@@ -450,7 +450,7 @@ def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Pa
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     cached = make_engine(qwen3_dir, caching=True)
-    first_id, first_table = prefill(cached, first, params)
+    _first_id, first_table = prefill(cached, first, params)
     finish_all(cached)
     assert cached.kv.pool.num_free == 32  # first's blocks are free now, but still cached
     second_id, second_table = prefill(cached, second, params)

@@ -4,6 +4,7 @@ prefix caching."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def assert_position(
     values = [reported[i] for i in alternatives]
     assert sorted(values, reverse=True) == pytest.approx(top_values[:top_n], abs=ATOL)
     after_token = [reported[i] for i in ids[1:]]
-    assert all(a >= b - ATOL for a, b in zip(after_token, after_token[1:]))  # rank order
+    assert all(a >= b - ATOL for a, b in itertools.pairwise(after_token))  # rank order
     if top_n and top_values[top_n - 1] - top_values[top_n] > ATOL:  # no near-tie at the cut
         assert set(alternatives) == set(top_ids[:top_n])
 

@@ -121,7 +121,7 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     generated = query(prometheus, "pagedserve:generation_tokens_total" + selector)
     finished = query(
         prometheus,
-        'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
+        f'pagedserve:request_success_total{{model_name="{MODEL}",finished_reason="length"}}',
     )
     ttft = query(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector)
     assert generated is not None and finished is not None and ttft is not None
@@ -143,7 +143,7 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     )
     wait_for_answer(
         prometheus,
-        'pagedserve:request_success_total{model_name="%s",finished_reason="length"}' % MODEL,
+        f'pagedserve:request_success_total{{model_name="{MODEL}",finished_reason="length"}}',
         finished + n,
     )
     wait_for_answer(prometheus, "pagedserve:time_to_first_token_seconds_count" + selector, ttft + n)
@@ -151,7 +151,7 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     wait_for_answer(prometheus, "pagedserve:kv_cache_usage_perc" + selector, 0.0)
     p99 = query(
         prometheus,
-        "histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket%s)" % selector,
+        f"histogram_quantile(0.99, pagedserve:time_to_first_token_seconds_bucket{selector})",
     )
     assert p99 is not None and p99 > 0
 

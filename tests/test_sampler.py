@@ -235,7 +235,7 @@ def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logpro
         assert sample.token_id == int(adjusted.argmax())
         # Logprobs are the model's own distribution: before bias, penalties and temperature.
         assert sample.logprobs is not None
-        assert list(sample.logprobs)[0] == sample.token_id
+        assert next(iter(sample.logprobs)) == sample.token_id
         assert sample.logprobs[sample.token_id] == pytest.approx(
             float(raw[i, sample.token_id]), abs=1e-6
         )

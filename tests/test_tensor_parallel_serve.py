@@ -69,7 +69,7 @@ def test_serves_one_ranks_tokens_and_sigterm_leaves_nothing(
         want = llm.generate(
             [BODY["prompt"]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         )[0].outputs[0]
-    daemon, worker, kids = start_tp_daemon(tmp_path, qwen3_dir)
+    daemon, _worker, kids = start_tp_daemon(tmp_path, qwen3_dir)
     try:
         plain = httpx.post(daemon.url + "/v1/completions", json=BODY, timeout=60)
         assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == want.text
