@@ -1,5 +1,6 @@
 """The CPU paged-attention kernel (kernels/cpu, built on first use) against the torch reference:
-GQA ratios 1/3/4, head dims 64/128 and odd ones, block sizes 16/32/128, ragged decode contexts,
+GQA ratios 1/3/4/8 (decode rows through the two-pass decode path) and 16 (past that path's
+instances: through the tile path, as float16 and odd head dims are), head dims 64/128 and odd ones, block sizes 16/32/128, ragged decode contexts,
 chunks after a cached prefix, float32 and bfloat16; then the engine on it against the reference
 backend and transformers."""
 
@@ -23,12 +24,22 @@ from tests.prompts import shared_prefix_prompts
 LONG = [(1000, 1), (700, 1), (3, 1), (520, 130), (129, 129)]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2), (16, 2), (16, 1)])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32, 128])
 def test_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
     for shapes in (SHAPES, DECODES, LONG):
         check_against_reference(CpuPagedBackend, heads, kv_heads, dim, block_size, shapes)
+
+
+@pytest.mark.parametrize("decodes", [1, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_items_of_one_kv_head_and_of_all(decodes: int, dtype: torch.dtype) -> None:
+    """Few decode rows are split one KV head per work item, to keep the threads busy; many take
+    all of a request's KV heads per item. Both give the reference's output."""
+    shapes = [(700 - 37 * i, 1) for i in range(decodes)]
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(CpuPagedBackend, 12, 4, 128, 16, shapes, dtype=dtype, atol=atol)
 
 
 @pytest.mark.parametrize("dim", [8, 40, 96, 256])

@@ -1,12 +1,14 @@
 // Paged attention on the CPU: every query row of a step (decode rows and prefill chunks alike)
-// attends to its request's keys read in place through the block table, with an online softmax
-// in float32. One call per layer; no gather, no padding, no mask tensor.
+// attends to its request's keys read in place through the block table, in float32. One call per
+// layer; no gather, no padding, no mask tensor.
 //
-// Work is split over (request, KV head, tile of up to kRowTile query rows): the query heads that
-// share a KV head and the rows of a tile reuse each chunk of keys while it is in cache. Keys are
-// taken 16 at a time through the block table (any block size) and converted to float32 once per
-// work item; scores, softmax and the weighted sum of values work on 16-lane vectors (one AVX-512
-// register), lanes past a row's causal limit masked to a probability of 0.
+// Decode rows (one query row per request) take `decode`, two passes over the context (below).
+// Chunks of several rows take the tile path, `attend`, with an online softmax: work is split over
+// (request, KV head, tile of up to kRowTile query rows), so the query heads of a KV head and the
+// rows of a tile reuse each chunk of keys while it is in cache. Keys are taken 16 at a time
+// through the block table (any block size) and converted to float32 once per work item; scores,
+// softmax and the weighted sum of values work on 16-lane vectors (one AVX-512 register), lanes
+// past a row's causal limit masked to a probability of 0.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -50,6 +53,40 @@ inline f16v exp_nonpositive(f16v x) {
     p = p * f + 1.0f;
     const i16v bits = (__builtin_convertvector(whole, i16v) + 127) << 23;
     return p * reinterpret_cast<const f16v&>(bits);
+}
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// Sixteen values as float32 lanes, for the types that have a vector conversion: bfloat16 is the
+// top half of a float32, so widening its bits and shifting them up is exact. (c10's BFloat16
+// conversion is a scalar loop that does not vectorize.)
+inline f16v load16(const float* src) {
+    f16v v;
+    std::memcpy(&v, src, sizeof(v));
+    return v;
+}
+inline f16v load16(const c10::BFloat16* src) {
+    u16x16 raw;
+    std::memcpy(&raw, src, sizeof(raw));
+    const u32x16 bits = __builtin_convertvector(raw, u32x16) << 16;
+    return reinterpret_cast<const f16v&>(bits);
+}
+
+template <typename T>
+constexpr bool kVectorLoads = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// A row of `dim` values converted to float32.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t dim) {
+    int64_t d = 0;
+    if constexpr (kVectorLoads<T>) {
+        for (; d + kLanes <= dim; d += kLanes) {
+            const f16v v = load16(src + d);
+            std::memcpy(dst + d, &v, sizeof(v));
+        }
+    }
+    for (; d < dim; ++d) dst[d] = to_float(src[d]);
 }
 
 inline float lane_max(f16v v) {
@@ -150,8 +187,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                     const T* vr = v_cache + offset;
                     float* kd = kflat + j * padded;
                     float* vd = vflat + j * padded;
-                    for (int64_t d = 0; d < dim; ++d) kd[d] = to_float(kr[d]);
-                    for (int64_t d = 0; d < dim; ++d) vd[d] = to_float(vr[d]);
+                    load_row(kr, kd, kVecs > 0 ? kVecs * kLanes : dim);
+                    load_row(vr, vd, kVecs > 0 ? kVecs * kLanes : dim);
                 }
                 for (int64_t i = 0; i < rows; ++i) {
                     const int64_t visible = std::min<int64_t>(n, first_pos + item.row0 + i + 1 - base);
@@ -198,6 +235,179 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     });
 }
 
+struct DecodeItem {
+    int32_t req;
+    int32_t head0;  // first and past-the-last KV head
+    int32_t head1;
+};
+
+// Decode rows: one query row per request, in two passes over the context instead of an online
+// softmax. Pass one computes every score (head dim and group fixed at compile time, so a KV
+// head's query heads and accumulators stay in registers and each key is converted once for all
+// the heads that read it); the softmax then runs over whole vectors of scores; pass two adds up
+// the values, kGroup x kVecs independent FMA chains per key. An item covers a request's KV heads
+// [head0, head1), taking all of them for each chunk of 16 keys in turn, so that it reads each
+// block's rows whole: decode waits on memory, and items of one KV head each (reading 1/kv_heads
+// of every token's row) took 21% longer a step at 2,048 tokens of context. Prefetching the next
+// chunk's rows by hand did not measurably help.
+template <typename T, int kVecs, int kGroup>
+void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tables, int64_t max_blocks,
+            const int32_t* cu_q, const int32_t* seqlens_k, const std::vector<DecodeItem>& items, int64_t heads,
+            int64_t kv_heads, int64_t block_size, float scale) {
+    constexpr int64_t dim = kVecs * kLanes;
+    const int64_t token_stride = kv_heads * dim;
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const f16v minus_inf = f16v{} - std::numeric_limits<float>::infinity();
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;       // [KV head][group][keys rounded up to 16]
+        std::vector<f16v> qs, top, acc;  // [KV head][group][vecs]; [..][group]; [..][group][vecs]
+        std::vector<float> inv_sum;      // [KV head][group]
+        for (int64_t w = begin; w < end; ++w) {
+            const DecodeItem& item = items[w];
+            const int64_t row = cu_q[item.req];
+            const int64_t keys = seqlens_k[item.req];
+            const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;
+            const int64_t n_heads = item.head1 - item.head0;
+            if (static_cast<int64_t>(scores.size()) < n_heads * kGroup * padded) {
+                scores.resize(n_heads * kGroup * padded);
+            }
+            qs.assign(n_heads * kGroup * kVecs, f16v{});
+            top.assign(n_heads * kGroup, minus_inf);
+            acc.assign(n_heads * kGroup * kVecs, f16v{});
+            inv_sum.resize(n_heads * kGroup);
+            const int32_t* table = tables + item.req * max_blocks;
+            // Where key `pos` of the item's first KV head lies (a token's heads are contiguous).
+            const auto token_at = [&](int64_t pos) {
+                const int64_t block = table[pos / block_size];
+                return (block * block_size + pos % block_size) * token_stride + item.head0 * dim;
+            };
+            for (int64_t h = 0; h < n_heads; ++h) {
+                for (int g = 0; g < kGroup; ++g) {
+                    const T* src = q + (row * heads + (item.head0 + h) * kGroup + g) * dim;
+                    for (int c = 0; c < kVecs; ++c) qs[(h * kGroup + g) * kVecs + c] = load16(src + c * kLanes) * scale;
+                }
+            }
+            int64_t offsets[kLanes];  // the chunk's keys
+            for (int64_t base = 0; base < keys; base += kLanes) {
+                const int64_t n = std::min<int64_t>(kLanes, keys - base);
+                for (int64_t j = 0; j < n; ++j) offsets[j] = token_at(base + j);
+                const i16v in_view = lane < static_cast<int32_t>(n);
+                for (int64_t h = 0; h < n_heads; ++h) {
+                    f16v qv[kGroup][kVecs];
+                    for (int g = 0; g < kGroup; ++g) {
+                        for (int c = 0; c < kVecs; ++c) qv[g][c] = qs[(h * kGroup + g) * kVecs + c];
+                    }
+                    f16v partial[kGroup][kLanes];
+                    for (int64_t j = 0; j < kLanes; ++j) {
+                        if (j >= n) {  // past the context: zeros, masked below
+                            for (int g = 0; g < kGroup; ++g) partial[g][j] = f16v{};
+                            continue;
+                        }
+                        const T* kr = k_cache + offsets[j] + h * dim;
+                        f16v kv[kVecs];
+                        for (int c = 0; c < kVecs; ++c) kv[c] = load16(kr + c * kLanes);
+                        for (int g = 0; g < kGroup; ++g) {
+                            f16v p = qv[g][0] * kv[0];
+                            for (int c = 1; c < kVecs; ++c) p += qv[g][c] * kv[c];
+                            partial[g][j] = p;
+                        }
+                    }
+                    for (int g = 0; g < kGroup; ++g) {
+                        f16v s = lane_sums(partial[g]);
+                        s = in_view ? s : minus_inf;
+                        f16v& t = top[h * kGroup + g];
+                        t = t > s ? t : s;
+                        std::memcpy(scores.data() + (h * kGroup + g) * padded + base, &s, sizeof(s));
+                    }
+                }
+            }
+            for (int64_t hg = 0; hg < n_heads * kGroup; ++hg) {
+                const float mx = lane_max(top[hg]);
+                float* sc = scores.data() + hg * padded;
+                f16v total{};
+                for (int64_t base = 0; base < padded; base += kLanes) {
+                    const f16v p = exp_nonpositive(load16(sc + base) - mx);  // -inf lanes: 0
+                    total += p;
+                    std::memcpy(sc + base, &p, sizeof(p));
+                }
+                inv_sum[hg] = 1.0f / lane_sum(total);
+            }
+            for (int64_t base = 0; base < keys; base += kLanes) {
+                const int64_t n = std::min<int64_t>(kLanes, keys - base);
+                for (int64_t j = 0; j < n; ++j) offsets[j] = token_at(base + j);
+                for (int64_t h = 0; h < n_heads; ++h) {
+                    f16v a[kGroup][kVecs];
+                    for (int g = 0; g < kGroup; ++g) {
+                        for (int c = 0; c < kVecs; ++c) a[g][c] = acc[(h * kGroup + g) * kVecs + c];
+                    }
+                    const float* probs = scores.data() + h * kGroup * padded + base;
+                    for (int64_t j = 0; j < n; ++j) {
+                        const T* vr = v_cache + offsets[j] + h * dim;
+                        f16v vv[kVecs];
+                        for (int c = 0; c < kVecs; ++c) vv[c] = load16(vr + c * kLanes);
+                        for (int g = 0; g < kGroup; ++g) {
+                            const float p = probs[g * padded + j];
+                            for (int c = 0; c < kVecs; ++c) a[g][c] += p * vv[c];
+                        }
+                    }
+                    for (int g = 0; g < kGroup; ++g) {
+                        for (int c = 0; c < kVecs; ++c) acc[(h * kGroup + g) * kVecs + c] = a[g][c];
+                    }
+                }
+            }
+            for (int64_t h = 0; h < n_heads; ++h) {
+                for (int g = 0; g < kGroup; ++g) {
+                    T* dst = out + (row * heads + (item.head0 + h) * kGroup + g) * dim;
+                    for (int c = 0; c < kVecs; ++c) {
+                        const f16v o = acc[(h * kGroup + g) * kVecs + c] * inv_sum[h * kGroup + g];
+                        for (int l = 0; l < kLanes; ++l) dst[c * kLanes + l] = static_cast<T>(o[l]);
+                    }
+                }
+            }
+        }
+    });
+}
+
+// The decode path's instances: float32 and bfloat16, head dims 64 and 128, 1 to 8 query heads per
+// KV head; anything else goes through the tile path. Returns whether it took the items.
+template <typename T>
+bool try_decode(int64_t group, int64_t dim, const T* q, const T* k_cache, const T* v_cache, T* out,
+                const int32_t* tables, int64_t max_blocks, const int32_t* cu_q, const int32_t* seqlens_k,
+                const std::vector<DecodeItem>& items, int64_t heads, int64_t kv_heads, int64_t block_size,
+                float scale) {
+    if (items.empty()) return true;
+    if constexpr (kVectorLoads<T>) {
+        bool taken = true;
+        const auto run = [&](auto vecs_tag, auto group_tag) {
+            decode<T, decltype(vecs_tag)::value, decltype(group_tag)::value>(
+                q, k_cache, v_cache, out, tables, max_blocks, cu_q, seqlens_k, items, heads, kv_heads, block_size,
+                scale);
+        };
+        const auto for_group = [&](auto vecs_tag) {
+            switch (group) {
+                case 1: run(vecs_tag, std::integral_constant<int, 1>{}); break;
+                case 2: run(vecs_tag, std::integral_constant<int, 2>{}); break;
+                case 3: run(vecs_tag, std::integral_constant<int, 3>{}); break;
+                case 4: run(vecs_tag, std::integral_constant<int, 4>{}); break;
+                case 5: run(vecs_tag, std::integral_constant<int, 5>{}); break;
+                case 6: run(vecs_tag, std::integral_constant<int, 6>{}); break;
+                case 7: run(vecs_tag, std::integral_constant<int, 7>{}); break;
+                case 8: run(vecs_tag, std::integral_constant<int, 8>{}); break;
+                default: taken = false;
+            }
+        };
+        if (dim == 64) {
+            for_group(std::integral_constant<int, 4>{});
+        } else if (dim == 128) {
+            for_group(std::integral_constant<int, 8>{});
+        } else {
+            taken = false;
+        }
+        return taken;
+    }
+    return false;
+}
+
 }  // namespace
 
 // out, q: [tokens, heads, dim]; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
@@ -223,16 +433,38 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     const int32_t* cu_p = cu.data_ptr<int32_t>();
     const int32_t* seq_p = seq.data_ptr<int32_t>();
     std::vector<WorkItem> items;
+    std::vector<int32_t> decodes;  // requests with one query row
     for (int32_t r = 0; r < requests; ++r) {
         const int32_t q_len = cu_p[r + 1] - cu_p[r];
         if (q_len > max_query_len) continue;
+        if (q_len == 1) {
+            decodes.push_back(r);
+            continue;
+        }
         for (int32_t row0 = 0; row0 < q_len; row0 += kRowTile) {
             for (int32_t h = 0; h < kv_heads; ++h) {
                 items.push_back({r, h, row0, std::min<int32_t>(q_len, row0 + kRowTile)});
             }
         }
     }
+    // A decode item takes all of a request's KV heads, or one when there are too few requests to
+    // keep every thread busy.
+    const int32_t heads_per_item =
+        static_cast<int64_t>(decodes.size()) >= 2 * at::get_num_threads() ? static_cast<int32_t>(kv_heads) : 1;
+    std::vector<DecodeItem> decode_items;
+    for (const int32_t r : decodes) {
+        for (int32_t h = 0; h < kv_heads; h += heads_per_item) decode_items.push_back({r, h, h + heads_per_item});
+    }
+    const int64_t group = heads / kv_heads;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+        if (!try_decode<scalar_t>(group, dim, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                  v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                  block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p, decode_items,
+                                  heads, kv_heads, block_size, static_cast<float>(scale))) {
+            for (const DecodeItem& d : decode_items) {
+                for (int32_t h = d.head0; h < d.head1; ++h) items.push_back({d.req, h, 0, 1});
+            }
+        }
         auto run = [&](auto vecs_tag) {
             attend<scalar_t, decltype(vecs_tag)::value>(
                 q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
