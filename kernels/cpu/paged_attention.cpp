@@ -326,7 +326,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                 float* sc = scores.data() + hg * padded;
                 f16v total{};
                 for (int64_t base = 0; base < padded; base += kLanes) {
-                    const f16v p = exp_nonpositive(load16(sc + base) - mx);  // -inf lanes: 0
+                    // Lanes past the context hold -inf: exp_nonpositive clamps them to ~1e-38,
+                    // which vanishes in a sum of at least 1 and is never read in pass two.
+                    const f16v p = exp_nonpositive(load16(sc + base) - mx);
                     total += p;
                     std::memcpy(sc + base, &p, sizeof(p));
                 }
