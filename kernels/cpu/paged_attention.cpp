@@ -129,6 +129,12 @@ inline f16v lane_sums(const f16v* p) {
     return fold2(c[0], c[1]);
 }
 
+// Where token `pos` of a request (its block table) starts in a cache laid out as
+// [blocks, block_size, kv_heads, dim]; each KV head's row follows at head * dim.
+inline int64_t token_start(const int32_t* table, int64_t pos, int64_t block_size, int64_t token_stride) {
+    return (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * token_stride;
+}
+
 struct WorkItem {
     int32_t req;
     int32_t kv_head;
@@ -181,8 +187,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                 }
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t pos = base + j;
-                    const int64_t offset = (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) *
-                                               token_stride + item.kv_head * dim;
+                    const int64_t offset = token_start(table, pos, block_size, token_stride) + item.kv_head * dim;
                     const T* kr = k_cache + offset;
                     const T* vr = v_cache + offset;
                     float* kd = kflat + j * padded;
@@ -278,8 +283,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
             const int32_t* table = tables + item.req * max_blocks;
             // Where key `pos` of the item's first KV head lies (a token's heads are contiguous).
             const auto token_at = [&](int64_t pos) {
-                const int64_t block = table[pos / block_size];
-                return (block * block_size + pos % block_size) * token_stride + item.head0 * dim;
+                return token_start(table, pos, block_size, token_stride) + item.head0 * dim;
             };
             for (int64_t h = 0; h < n_heads; ++h) {
                 for (int g = 0; g < kGroup; ++g) {
