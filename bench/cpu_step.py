@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams
-from engine.model_runner import kv_bytes_per_block
 
 
 def copy_bandwidth(nbytes: int = 2**30, copies: int = 10) -> float:
@@ -100,13 +99,8 @@ def run(
     step_s = (time.perf_counter() - started) / steps
     model = runner.model
     packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    packed += (
-        [model.lm_head_packed]
-        if model.lm_head_packed is not None and not model.tie_word_embeddings
-        else []
-    )
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
-    kv = batch * (context + steps / 2) * kv_bytes_per_block(engine.hf_config, 1, runner.dtype)
+    kv = batch * (context + steps / 2) * engine.spec.kv_bytes_per_block / engine.spec.block_size
     floor_s = (weights + kv) / bandwidth
     del llm
     gc.collect()

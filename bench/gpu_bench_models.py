@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model_runner import kv_bytes_per_block
+from engine.model_spec import kv_bytes_per_block
+from engine.models.registry import describe
 from tests.models import tokenizer_dir
 
 
@@ -116,9 +117,8 @@ def build(name: str, folder: Path, device: str, dtype: torch.dtype, tiny: bool, 
         "folder": str(folder),
         "parameters": parameters,
         "weight_bytes": parameters * dtype.itemsize,
-        "kv_bytes_per_token": kv_bytes_per_block(
-            cfg, 1, dtype
-        ),  # K and V of every layer for one token
+        # K and V of every layer for one token
+        "kv_bytes_per_token": kv_bytes_per_block(describe(cfg), 1, dtype),
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": len(tok),

@@ -18,7 +18,7 @@ import bisect
 import torch
 
 from engine.model_input import HostBatch, PinnedUpload
-from engine.models.llama import LlamaForCausalLM
+from engine.models.interface import CausalLM
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -51,7 +51,8 @@ def pad_decode(batch: HostBatch, size: int, width: int) -> HostBatch:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
+        device: torch.device,
         backend: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_seqs: int,
@@ -61,7 +62,6 @@ class DecodeGraphs:
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.sizes = graph_sizes(max_num_seqs)
         self.width = max_blocks_per_seq
-        device = model.embed_tokens.weight.device
         self.device = device
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)

@@ -103,17 +103,15 @@ def profiled_pool_blocks(
     config: EngineConfig,
     bytes_per_block: int,
     max_model_len: int,
+    block_size: int,
     run_step: Callable[[HostBatch], object],
     probe: MemoryProbe,
 ) -> int:
     """The pool's size in blocks from --gpu-memory-utilization, after running the heaviest step."""
     sched, utilization = config.scheduler, config.cache.gpu_memory_utilization
-    assert config.cache.block_size is not None, "LLMEngine settles the block size first"
     probe.start()
     run_step(
-        profile_batch(
-            sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, config.cache.block_size
-        )
+        profile_batch(sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, block_size)
     )
     reading = probe.read()
     budget = kv_budget_bytes(reading, utilization)

@@ -8,7 +8,6 @@ import logging
 import time
 
 import torch
-from transformers import PretrainedConfig
 
 from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -17,14 +16,11 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
 from engine.model_input import build_step_batch
-from engine.model_loader import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
-from engine.model_runner import kv_bytes_per_block
-from engine.models.llama import head_dim_of
-from engine.models.registry import resolve_architecture
+from engine.model_loader import load_tokenizer
+from engine.model_spec import resolve_model_spec
 from engine.output_processor import check_stop, make_output, update_text
 from engine.outputs import RequestOutput
 from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
-from engine.parallel.shard import check_shardable
 from engine.request import Request, SequenceText
 from engine.sampler import Sampler, position_logprobs
 from engine.sampling_params import SamplingParams
@@ -32,80 +28,44 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats, FinishedRequest
 from engine.tokenization import encode
-from kernels.attention import Platform, choose
 
 log = logging.getLogger(__name__)
-
-
-def context_limit(hf_config: PretrainedConfig) -> int:
-    """The longest context the model serves exactly. Attention here is always full, so a model
-    that uses sliding-window attention (Mistral, Qwen with use_sliding_window) is capped at its
-    window, where full and windowed attention agree."""
-    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
-    window = getattr(hf_config, "sliding_window", None)
-    windowed = hf_config.model_type == "mistral" or bool(
-        getattr(hf_config, "use_sliding_window", False)
-    )
-    if windowed and window:
-        limit = min(limit, int(window))
-    return limit
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        tp_size = config.parallel.tensor_parallel_size
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = load_hf_config(self.model_path)
-        resolve_architecture(self.hf_config)  # refuse what we cannot run before sizing anything
-        check_shardable(self.hf_config, tp_size)  # before any process starts
-        self.vocab_size = int(self.hf_config.vocab_size)
-        device = resolve_device(config.model.device)
-        dtype, dtype_why = resolve_dtype(config.model.dtype, self.hf_config, torch.device(device))
-        log.info("device %s, dtype %s (%s)", device, str(dtype).removeprefix("torch."), dtype_why)
-        platform = Platform.detect(device, dtype, head_dim_of(self.hf_config))
-        choice = choose(config.model.attention_backend, platform, config.cache.block_size)
-        log.info(
-            "attention backend: %s, KV blocks of %d tokens (%s)",
-            choice.name,
-            choice.block_size,
-            choice.why,
-        )
-        # From here on these choices are part of the config: the runners, here and in workers, read them.
-        config = config.model_copy(
-            update={
-                "model": config.model.model_copy(
-                    update={
-                        "device": device,
-                        "dtype": str(dtype).removeprefix("torch."),
-                        "attention_backend": choice.name,
-                    }
-                ),
-                "cache": config.cache.model_copy(update={"block_size": choice.block_size}),
-            }
-        )
-        self.config = config
-        self.block_size = choice.block_size
-        self.max_model_len = config.resolve_max_model_len(context_limit(self.hf_config))
-        per_block = kv_bytes_per_block(self.hf_config, self.block_size, dtype, tp_size)
-        on_gpu = device.startswith("cuda")
-        num_blocks = fixed_pool_blocks(config, per_block, on_gpu)
+        spec = resolve_model_spec(config)
+        self.spec = spec
+        self.model_path = spec.path
+        self.vocab_size = spec.vocab_size
+        self.block_size = spec.block_size
+        self.max_model_len = spec.max_model_len
+        per_block = spec.kv_bytes_per_block
+        num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
-        executor = TensorParallelExecutor if tp_size > 1 else LocalExecutor
-        self.executor: LocalExecutor | TensorParallelExecutor = executor(config, self.max_model_len)
+        # The tokenizer is read here, where it is used: tensor-parallel workers never need it.
+        self.tokenizer = load_tokenizer(spec.tokenizer_path)
+        multi_rank = spec.tensor_parallel_size > 1
+        executor = TensorParallelExecutor if multi_rank else LocalExecutor
+        self.executor: LocalExecutor | TensorParallelExecutor = executor(config, spec)
         try:
             if num_blocks is None:
-                probe = CudaMemoryProbe(torch.device(device))
+                probe = CudaMemoryProbe(torch.device(spec.device))
                 num_blocks = profiled_pool_blocks(
-                    config, per_block, self.max_model_len, self.executor.execute, probe
+                    config,
+                    per_block,
+                    self.max_model_len,
+                    self.block_size,
+                    self.executor.execute,
+                    probe,
                 )
                 config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
             self.executor.allocate_kv(num_blocks)
         except BaseException:
             self.executor.close()
             raise
-        self.tokenizer = self.executor.loaded.tokenizer
         self.info = EngineInfo(
             model=config.model.model,
             model_path=str(self.model_path),

@@ -1,12 +1,13 @@
-"""Load config, tokenizer and weights of a Hugging Face model folder."""
+"""Find a Hugging Face model folder, read its config and tokenizer, and load its weights into
+the model class its architecture names."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -15,22 +16,17 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
-from engine.models.llama import CheckpointTensor, LlamaForCausalLM
-from engine.models.registry import resolve_architecture
-from engine.parallel.shard import WHOLE, Shard
+from engine.models.interface import CausalLM
+from engine.models.layers.linear import CheckpointTensor
+from engine.models.registry import model_class
+from engine.parallel.shard import Shard
+
+if TYPE_CHECKING:
+    from engine.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class LoadedModel:
-    path: Path
-    hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
-    model: LlamaForCausalLM
-    dtype: torch.dtype
 
 
 def resolve_model_path(config: ModelConfig) -> Path:
@@ -121,19 +117,16 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield key, f.get_slice(key)
 
 
-def load_model(config: ModelConfig, shard: Shard = WHOLE) -> LoadedModel:
-    """The model (this rank's shard of it), its config and tokenizer."""
-    path = resolve_model_path(config)
-    hf_config = load_hf_config(path)
-    architecture = resolve_architecture(hf_config)
-    tokenizer = load_tokenizer(path if config.tokenizer is None else Path(config.tokenizer))
-    device = torch.device(config.device)
-    dtype, _ = resolve_dtype(config.dtype, hf_config, device)
+def load_model(spec: ModelSpec, shard: Shard) -> CausalLM:
+    """This rank's shard of the model, its weights loaded, in eval mode."""
+    device = torch.device(spec.device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, shard)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_weights(iter_safetensors(path))
-    model.eval()
+        model = model_class(spec.architecture)(spec.hf_config, shard)
+    module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()
+    model = cast(CausalLM, module)
+    model.load_weights(iter_safetensors(spec.path))
     where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
-    log.info("loaded %s (%s, %s%s) from %s", architecture, dtype, device, where, path)
-    return LoadedModel(path, hf_config, tokenizer, model, dtype)
+    log.info(
+        "loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, spec.path
+    )
+    return model

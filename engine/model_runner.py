@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
-from transformers import PretrainedConfig
 
 from config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.model_input import HostBatch, PinnedUpload
-from engine.model_loader import LoadedModel, load_model, resolve_device
-from engine.models.llama import LlamaForCausalLM, head_dim_of
+from engine.model_loader import load_model
+from engine.model_spec import ModelSpec
+from engine.models.interface import CausalLM
 from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, build_backend
 from kernels.cpu.malloc import keep_freed_memory
 from kernels.kv_store import copy_blocks
 
 log = logging.getLogger(__name__)
-
-
-def kv_bytes_per_block(
-    hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
-) -> int:
-    """Bytes of one KV block on one rank (each rank holds its own KV heads)."""
-    _, kv_heads = Shard(0, tensor_parallel_size).kv_heads(hf_config.num_key_value_heads)
-    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim_of(hf_config)
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -41,42 +33,37 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
-        block_size: int,
-        max_model_len: int,
+        spec: ModelSpec,
+        device: torch.device,
         max_num_seqs: int,
         use_cuda_graphs: bool,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.block_size = block_size
-        self.max_model_len = max_model_len
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.max_model_len = spec.max_model_len
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = use_cuda_graphs
-        weight = model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = device, spec.dtype
         self.upload = PinnedUpload(self.device)
-        model.init_rotary(max_model_len)
+        model.init_rotary(spec.max_model_len)
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._allocate(1)
 
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = []  # the old pool goes before the new one is made
-        cfg = self.model.config
-        shape = (
-            num_blocks,
-            self.block_size,
-            self.model.num_kv_heads,
-            head_dim_of(cfg),
-        )
+        info = self.spec.info
+        shape = (num_blocks, self.block_size, self.spec.kv_heads_per_rank, info.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(info.num_layers)
         ]
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -84,11 +71,7 @@ class ModelRunner:
         self._allocate(num_blocks)
         shard = self.model.shard
         if shard.rank == 0:
-            gib = (
-                kv_bytes_per_block(self.model.config, self.block_size, self.dtype, shard.size)
-                * num_blocks
-                / 2**30
-            )
+            gib = self.spec.kv_bytes_per_block * num_blocks / 2**30
             per_rank = " per rank" if shard.size > 1 else ""
             log.info(
                 "KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s",
@@ -102,6 +85,7 @@ class ModelRunner:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(
                 self.model,
+                self.device,
                 self.backend,
                 self.kv_caches,
                 self.max_num_seqs,
@@ -129,34 +113,27 @@ class ModelRunner:
 
 
 def graphs_off_reason(
-    config: EngineConfig, backend: AttentionBackend, tensor_parallel_size: int
+    config: EngineConfig, spec: ModelSpec, backend: AttentionBackend
 ) -> str | None:
     """Why decode steps will run eagerly, or None when they will replay CUDA graphs."""
     if config.model.enforce_eager:
         return "--enforce-eager"
-    if not config.model.device.startswith("cuda"):
-        return f"not a CUDA device ({config.model.device})"
+    if not spec.device.startswith("cuda"):
+        return f"not a CUDA device ({spec.device})"
     if not backend.graph_safe:
         return f"the {backend.name} attention backend cannot be captured"
-    if tensor_parallel_size > 1:
+    if not spec.info.graph_safe:
+        return f"{spec.architecture} reads routing decisions on the host"
+    if spec.tensor_parallel_size > 1:
         return "not captured under tensor parallelism"
     return None
 
 
-def build_runner(
-    config: EngineConfig, shard: Shard, max_model_len: int
-) -> tuple[LoadedModel, ModelRunner]:
-    """This rank's shard of the model and its runner (one GPU per rank on CUDA). `config` has
-    its attention backend and block size resolved (LLMEngine does it)."""
-    device = resolve_device(
-        config.model.device
-    )  # LLMEngine resolved it; a runner built alone may not have
+def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRunner:
+    """This rank's shard of the model and its runner (one GPU per rank on CUDA)."""
+    device = spec.device
     if shard.size > 1 and device.startswith("cuda"):
         device = f"cuda:{shard.rank}"
-    if device != config.model.device:
-        config = config.model_copy(
-            update={"model": config.model.model_copy(update={"device": device})}
-        )
     if device == "cpu":
         why_not = keep_freed_memory()
         if why_not is not None and shard.rank == 0:
@@ -164,26 +141,24 @@ def build_runner(
                 "freed CPU memory goes back to the kernel (%s): each step page-faults its activations",
                 why_not,
             )
-    loaded = load_model(config.model, shard)
-    if not config.model.enforce_eager and loaded.model.pack_weights() and shard.rank == 0:
+    model = load_model(spec if device == spec.device else replace(spec, device=device), shard)
+    if not config.model.enforce_eager and model.pack_weights() and shard.rank == 0:
         log.info(
             "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
         )
     if device == "cpu" and not config.model.enforce_eager:
-        why_not = loaded.model.fuse_cpu_ops()
+        why_not = model.fuse_cpu_ops()
         if why_not is not None and shard.rank == 0:
             log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
-    assert config.cache.block_size is not None, "LLMEngine settles the block size first"
-    backend = build_backend(config.model.attention_backend)
-    off = graphs_off_reason(config, backend, shard.size)
+    backend = build_backend(spec.attention_backend)
+    off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)
-    runner = ModelRunner(
-        loaded.model,
+    return ModelRunner(
+        model,
         backend,
-        config.cache.block_size,
-        max_model_len,
+        spec,
+        torch.device(device),
         config.scheduler.max_num_seqs,
         use_cuda_graphs=off is None,
     )
-    return loaded, runner

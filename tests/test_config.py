@@ -164,27 +164,26 @@ def test_cli_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_context_limit_caps_sliding_window_models() -> None:
-    """Attention is always full here, so a windowed model is served only up to its window."""
+def test_windowed_models_serve_their_whole_context_with_a_window_per_layer() -> None:
+    """Sliding-window layers attend through their window, so a windowed model is served up to
+    its trained context; which layers are windowed comes from the config."""
     from transformers import MistralConfig, Qwen2Config
 
-    from engine.llm_engine import context_limit
+    from engine.model_spec import context_limit
+    from engine.models.registry import describe
 
-    assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=128)) == 128
-    assert context_limit(MistralConfig(max_position_embeddings=1024, sliding_window=None)) == 1024
-    # Qwen2 declares a window but uses it only with use_sliding_window.
-    assert (
-        context_limit(
-            Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=False)
-        )
-        == 1024
+    mistral = MistralConfig(max_position_embeddings=1024, sliding_window=128, num_hidden_layers=2)
+    assert context_limit(mistral) == 1024
+    assert describe(mistral).sliding_windows == (128, 128)
+    no_window = MistralConfig(sliding_window=None, num_hidden_layers=2)
+    assert describe(no_window).sliding_windows == (None, None)
+    # Qwen2 declares a window but uses it only with use_sliding_window, above max_window_layers.
+    off = Qwen2Config(sliding_window=64, use_sliding_window=False, num_hidden_layers=3)
+    assert describe(off).sliding_windows == (None, None, None)
+    on = Qwen2Config(
+        sliding_window=64, use_sliding_window=True, max_window_layers=1, num_hidden_layers=3
     )
-    assert (
-        context_limit(
-            Qwen2Config(max_position_embeddings=1024, sliding_window=64, use_sliding_window=True)
-        )
-        == 64
-    )
+    assert describe(on).sliding_windows == (None, 64, 64)
 
 
 @pytest.mark.parametrize(("native_bf16", "want"), [(True, torch.bfloat16), (False, torch.float32)])
@@ -228,6 +227,6 @@ def test_device_auto_takes_the_gpu_when_torch_sees_one(monkeypatch: pytest.Monke
         assert model_loader.resolve_device("auto") == want
 
 
-def test_engine_writes_the_resolved_device_and_dtype_into_its_config(llm: LLM) -> None:
-    model = llm.engine.config.model
-    assert (model.device, model.dtype, model.attention_backend) == ("cpu", "float32", "cpu")
+def test_engine_resolves_device_dtype_and_backend_into_its_spec(llm: LLM) -> None:
+    spec = llm.engine.spec
+    assert (spec.device, spec.dtype, spec.attention_backend) == ("cpu", torch.float32, "cpu")

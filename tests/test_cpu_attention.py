@@ -106,7 +106,7 @@ def test_engine_greedy_tokens_equal_the_reference_backend_and_transformers(
     outputs = {}
     for backend in ("torch", "cpu"):
         llm = LLM(str(model_dir), attention_backend=backend, **settings)
-        assert llm.engine.config.model.attention_backend == backend
+        assert llm.engine.spec.attention_backend == backend
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats = llm.last_run_stats
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.models.rotary import apply_rotary
+from engine.models.layers.rotary import apply_rotary
 from kernels.cpu import fused_ops
 from tests.models import hf_greedy
 from tests.prompts import shared_prefix_prompts

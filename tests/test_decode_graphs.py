@@ -78,7 +78,7 @@ def test_padded_decode_steps_give_the_same_tokens(
     runner = llm.engine.executor.runner
     assert runner.graphs is None  # no CUDA: decode runs eagerly unless told otherwise
     graphs = DecodeGraphs(
-        runner.model, runner.backend, runner.kv_caches, 6, 128 // 16, capture=False
+        runner.model, runner.device, runner.backend, runner.kv_caches, 6, 128 // 16, capture=False
     )
     runner.graphs = graphs
     sizes: list[tuple[int, int]] = []

@@ -144,6 +144,7 @@ def test_kv_pool_follows_gpu_memory_utilization(llama_dir: Path) -> None:
 
 def _bytes_per_block(folder: Path) -> int:
     from engine.model_loader import load_hf_config
-    from engine.model_runner import kv_bytes_per_block
+    from engine.model_spec import kv_bytes_per_block
+    from engine.models.registry import describe
 
-    return kv_bytes_per_block(load_hf_config(folder), 16, torch.float32)
+    return kv_bytes_per_block(describe(load_hf_config(folder)), 16, torch.float32)

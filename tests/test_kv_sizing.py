@@ -18,6 +18,7 @@ from engine.kv_sizing import (
     profile_batch,
     profiled_pool_blocks,
 )
+from engine.model_spec import resolve_model_spec
 from engine.parallel.executor import LocalExecutor
 
 
@@ -91,7 +92,9 @@ def test_profiled_sizing_runs_the_step_on_the_scratch_cache(qwen3_dir: Path, bac
         attention_backend=backend,
         gpu_memory_utilization=0.5,
     )
-    executor = LocalExecutor(config, max_model_len=1024)
+    spec = resolve_model_spec(config)
+    assert spec.max_model_len == 1024
+    executor = LocalExecutor(config, spec)
     assert executor.runner.kv_caches[0][0].shape[0] == 1  # the one-block scratch cache
     before = [c.clone() for pair in executor.runner.kv_caches for c in pair]
     logits_rows: list[int] = []
@@ -103,7 +106,7 @@ def test_profiled_sizing_runs_the_step_on_the_scratch_cache(qwen3_dir: Path, bac
         return logits
 
     probe = FixedProbe(MemoryReading(total=10 * GIB, used=2 * GIB, step_peak=GIB))
-    blocks = profiled_pool_blocks(config, 2**20, 1024, run_step, probe)
+    blocks = profiled_pool_blocks(config, 2**20, 1024, 16, run_step, probe)
     assert blocks == 2 * 1024  # (5 - 2 - 1) GiB of 1 MiB blocks
     assert probe.started == 1 and logits_rows == [8]
     after = [c for pair in executor.runner.kv_caches for c in pair]
@@ -116,7 +119,7 @@ def test_no_room_left_is_a_config_error_naming_the_flags() -> None:
     config = EngineConfig.from_kwargs(block_size=16, max_num_batched_tokens=4096)
     probe = FixedProbe(MemoryReading(total=16 * GIB, used=14 * GIB, step_peak=GIB))
     with pytest.raises(ConfigError) as info:
-        profiled_pool_blocks(config, 2**20, 1024, lambda batch: None, probe)
+        profiled_pool_blocks(config, 2**20, 1024, 16, lambda batch: None, probe)
     message = str(info.value)
     for words in (
         "14.00 GiB is in use",

@@ -1,5 +1,5 @@
-"""Model definitions and the architecture registry."""
+"""Model definitions, the layers they are built from, and the architecture registry."""
 
-from engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture
+from engine.models.registry import SUPPORTED_ARCHITECTURES, model_class, resolve_architecture
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "resolve_architecture"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "model_class", "resolve_architecture"]

@@ -1,32 +1,46 @@
-"""Which Hugging Face architectures the Llama-family implementation serves."""
+"""Architecture name (a config's `architectures`) -> the module and class that implement it.
+Modules are imported when a model of theirs is loaded, not before. Adding an architecture is
+one file in this folder and one row here."""
 
 from __future__ import annotations
+
+import importlib
+from typing import cast
 
 from transformers import PretrainedConfig
 
 from engine.errors import ModelLoadError
+from engine.models.interface import ArchitectureInfo, ModelClass
 
-# architecture name -> model_type; all run on engine.models.llama.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+# architecture -> (module under engine.models, class, the config's model_type)
+ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM", "llama"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM", "mistral"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM", "qwen2"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM", "qwen3"),
 }
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def resolve_architecture(hf_config: PretrainedConfig) -> str:
     names = list(getattr(hf_config, "architectures", None) or [])
     if not names:  # a config built from its class in code names no architecture
-        names = [
-            a
-            for a, t in SUPPORTED_ARCHITECTURES.items()
-            if t == getattr(hf_config, "model_type", None)
-        ]
+        model_type = getattr(hf_config, "model_type", None)
+        names = [a for a, (_, _, t) in ARCHITECTURES.items() if t == model_type]
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in ARCHITECTURES:
             return name
     found = ", ".join(names) or f"model_type {getattr(hf_config, 'model_type', None)!r}"
     raise ModelLoadError(
-        f"unsupported model architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported model architecture {found}; supported: {', '.join(ARCHITECTURES)}"
     )
+
+
+def describe(hf_config: PretrainedConfig) -> ArchitectureInfo:
+    """What the engine needs to know of the model before building it."""
+    return model_class(resolve_architecture(hf_config)).describe(hf_config)
+
+
+def model_class(architecture: str) -> ModelClass:
+    module, name, _ = ARCHITECTURES[architecture]
+    return cast(ModelClass, getattr(importlib.import_module(f"engine.models.{module}"), name))

@@ -29,6 +29,7 @@ from config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model_input import HostBatch
 from engine.model_runner import build_runner
+from engine.model_spec import ModelSpec
 from engine.parallel.shard import Shard
 from engine.parallel.worker import ALLOCATE_KV, STEP, STOP, join_group, message, worker_main
 
@@ -43,8 +44,8 @@ class WorkerDiedError(RuntimeError):
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
-        self.loaded, self.runner = build_runner(config, Shard(), max_model_len)
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        self.runner = build_runner(config, spec, Shard())
         self.on_failure: Callable[[], None] | None = (
             None  # never called: nothing here can die alone
         )
@@ -149,7 +150,7 @@ def _shut_down(ranks: _Ranks) -> None:
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         if dist.is_initialized():  # else the workers would wait for a group that never forms
             raise ModelLoadError(
                 "a torch.distributed process group already exists in this process: close the "
@@ -166,17 +167,17 @@ class TensorParallelExecutor:
                 parent, child = context.Pipe()
                 process = context.Process(
                     target=worker_main,
-                    args=(config.model_dump_json(), rank, port, max_model_len, child),
+                    args=(config.model_dump_json(), spec, rank, port, child),
                     name=f"pagedserve-tp{rank}",
                     daemon=True,
                 )
                 process.start()
                 child.close()
                 self._ranks.workers.append(_Worker(rank, process, parent))
-            self.loaded, self.runner = build_runner(config, Shard(0, size), max_model_len)
+            self.runner = build_runner(config, spec, Shard(0, size))
             self._wait_until_loaded()
             self._ranks.threads = (threading.current_thread(), torch.get_num_threads())
-            join_group(config, 0, port)
+            join_group(config, spec, 0, port)
             self._ranks.group = dist.group.WORLD
         except BaseException:
             self._finalizer()

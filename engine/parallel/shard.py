@@ -6,11 +6,11 @@ With one rank every helper is the identity, so the single-device model runs exac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
 
 from engine.errors import ModelLoadError
 
@@ -42,18 +42,14 @@ class Shard:
 WHOLE = Shard()  # one process holds the whole model
 
 
-def check_shardable(hf_config: PretrainedConfig, size: int) -> None:
-    """Refuse, before anything starts, a rank count that does not divide the model."""
+def check_shardable(divisible: Iterable[tuple[str, int]], num_kv_heads: int, size: int) -> None:
+    """Refuse, before anything starts, a rank count that does not divide the model: each of
+    `divisible` (what, how many), and the KV heads unless the size is a multiple of them."""
     if size == 1:
         return
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    problems = []
-    if heads % size:
-        problems.append(f"the {heads} attention heads")
-    if kv_heads % size and size % kv_heads:
-        problems.append(f"the {kv_heads} KV heads (nor is it a multiple of them)")
-    if hf_config.intermediate_size % size:
-        problems.append(f"the MLP width {hf_config.intermediate_size}")
+    problems = [f"the {count} {what}" for what, count in divisible if count % size]
+    if num_kv_heads % size and size % num_kv_heads:
+        problems.append(f"the {num_kv_heads} KV heads (nor is it a multiple of them)")
     if problems:
         raise ModelLoadError(
             f"--tensor-parallel-size {size} does not divide {' or '.join(problems)} of this model"

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from config import EngineConfig
 from engine.model_input import HostBatch
 from engine.model_runner import build_runner
+from engine.model_spec import ModelSpec
 from engine.parallel.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,9 @@ def message(kind: int, body: torch.Tensor) -> bytes:
     return torch.cat([torch.tensor([kind], dtype=torch.int64), body]).numpy().tobytes()
 
 
-def join_group(config: EngineConfig, rank: int, port: int) -> None:
-    size = config.parallel.tensor_parallel_size
-    cuda = config.model.device.startswith("cuda")  # then rank r runs on cuda:r (build_runner)
+def join_group(config: EngineConfig, spec: ModelSpec, rank: int, port: int) -> None:
+    size = spec.tensor_parallel_size
+    cuda = spec.device.startswith("cuda")  # then rank r runs on cuda:r (build_runner)
     if cuda:
         torch.cuda.set_device(rank)
     else:  # ranks on one CPU share its cores
@@ -47,22 +48,19 @@ def join_group(config: EngineConfig, rank: int, port: int) -> None:
     )
 
 
-def worker_main(
-    config_json: str, rank: int, port: int, max_model_len: int, conn: Connection
-) -> None:
+def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: Connection) -> None:
+    """`spec` is rank 0's, resolved once: a worker reads it and resolves nothing again."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s"
     )
     config = EngineConfig.model_validate_json(config_json)
     try:
-        _, runner = build_runner(
-            config, Shard(rank, config.parallel.tensor_parallel_size), max_model_len
-        )
+        runner = build_runner(config, spec, Shard(rank, spec.tensor_parallel_size))
     except BaseException as exc:  # noqa: BLE001 - rank 0 raises it, named, for every cause
         conn.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     conn.send("loaded")
-    join_group(config, rank, port)
+    join_group(config, spec, rank, port)
     try:
         while True:
             try:

@@ -1,0 +1,195 @@
+"""What every decoder-only model here shares: the vocab-parallel embedding, a stack of decoder
+layers, the final norm and the LM head; rotary tables; loading by Hugging Face names; weight
+prepacking and fused CPU ops. An architecture file subclasses `DecoderModel` with its layer
+(`build_layer`) and the few switches below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.models.interface import ArchitectureInfo
+from engine.models.layers.attention import ForwardContext
+from engine.models.layers.linear import (
+    CheckpointTensor,
+    PackableLinear,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from engine.models.layers.norm import RMSNorm
+from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.models.loading import load_checkpoint
+from engine.parallel.shard import WHOLE, Shard, gather_columns
+from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu.packed_linear import can_pack, linear, pack
+
+# Checkpoint module names fused into one of ours: name -> (our name, part).
+FUSED_QKV_GATE_UP = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def head_dim_of(cfg: PretrainedConfig) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def sliding_windows(cfg: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's window: from `layer_types` where the config has them (Gemma, Qwen2/3), else
+    every layer's when a window is set and not switched off (Mistral, Mixtral, Phi-3)."""
+    window = getattr(cfg, "sliding_window", None)
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types[:n])
+    if window and getattr(cfg, "use_sliding_window", True):
+        return (int(window),) * n
+    return (None,) * n
+
+
+class DecoderModel(nn.Module):
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = FUSED_QKV_GATE_UP
+    gemma_norm: ClassVar[bool] = False  # the final norm in Gemma's (1 + w) form
+
+    def __init__(self, cfg: PretrainedConfig, shard: Shard = WHOLE) -> None:
+        super().__init__()
+        self.config, self.shard = cfg, shard
+        self.info = self.describe(cfg)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(self.build_layer(i) for i in range(self.info.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=self.gemma_norm)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(cfg.hidden_size, self.embed_tokens)
+        self.rotary: dict[str, RotaryEmbedding] = {}
+        self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
+        self.fused_ops: ModuleType | None = None
+
+    # ------------------------------------------------------------ what a subclass provides
+
+    @classmethod
+    def describe(cls, cfg: PretrainedConfig) -> ArchitectureInfo:
+        return ArchitectureInfo(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim_of(cfg),
+            sliding_windows=sliding_windows(cfg),
+            divisible=(
+                ("attention heads", cfg.num_attention_heads),
+                ("MLP columns", cfg.intermediate_size),
+            ),
+        )
+
+    def build_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_settings(self) -> dict[str, dict]:
+        """The rotary tables the layers read, by the name their attention options give."""
+        return {"default": rope_parameters(self.config)}
+
+    def embedding_scale(self) -> float | None:
+        """A factor the embeddings are multiplied by (Gemma: sqrt(hidden_size))."""
+        return None
+
+    def final_softcap(self) -> float | None:
+        """Logits become cap * tanh(logits / cap) (Gemma 2)."""
+        return None
+
+    def locate(self, name: str) -> tuple[str, str | None] | None:
+        """(our parameter, part of it) for a checkpoint name with `model.` removed; None: a
+        tensor this model does not use. Fused modules are found through `packed_modules`."""
+        parts = name.split(".")
+        for i, piece in enumerate(parts):
+            if piece in self.packed_modules:
+                ours, part = self.packed_modules[piece]
+                return ".".join([*parts[:i], ours, *parts[i + 1 :]]), part
+        return name, None
+
+    # ------------------------------------------------------------------ shared behaviour
+
+    def init_rotary(self, max_positions: int) -> None:
+        weight = self.embed_tokens.weight
+        self.rotary = {
+            name: RotaryEmbedding(
+                self.info.head_dim, max_positions, params, weight.device, weight.dtype
+            )
+            for name, params in self.rope_settings().items()
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if not self.rotary:
+            raise RuntimeError("init_rotary() must run before the first forward")
+        rope = {name: table.lookup(positions) for name, table in self.rotary.items()}
+        ctx = ForwardContext(rope, backend, kv_caches, meta, self.fused_ops)
+        x = self.embed_tokens(input_ids)
+        scale = self.embedding_scale()
+        if scale is not None:  # in the activations' dtype, as the reference rounds it
+            x = x * torch.tensor(scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x, self.fused_ops)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.tie_word_embeddings:
+            logits = linear(hidden, self.embed_tokens.weight, self.lm_head_packed, None)
+        else:
+            logits = self.lm_head(hidden)
+        gathered = gather_columns(logits.float(), self.shard, self.config.vocab_size)
+        cap = self.final_softcap()
+        if gathered is not None and cap is not None:
+            gathered = torch.tanh(gathered / cap) * cap
+        return gathered
+
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        load_checkpoint(self, weights, self._locate)
+
+    def _locate(self, hf_name: str) -> tuple[str, str | None] | None:
+        if "rotary_emb" in hf_name:
+            return None
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return self.locate(name)
+
+    def pack_weights(self) -> bool:
+        """Prepack every linear weight for oneDNN (CPU, bfloat16), after loading; the unpacked
+        copies are dropped, but the embedding's, which the lookup still reads. False if the
+        weights cannot be packed here."""
+        if not can_pack(self.embed_tokens.weight):
+            return False
+        if self.tie_word_embeddings:
+            self.lm_head_packed = pack(self.embed_tokens.weight)
+        for module in self.modules():
+            if isinstance(module, PackableLinear) and module.weight is not None:
+                module.packed = pack(module.weight)
+                module.register_parameter("weight", None)
+        return True
+
+    def fuse_cpu_ops(self) -> str | None:
+        """Run the norms, residual adds, rotary and SiLU-mul through kernels/cpu/fused_ops (built
+        on first use). None when done, else why not: the layers then keep their torch ops."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            return "not on the CPU"
+        try:
+            from kernels.cpu import fused_ops
+        except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja
+            return f"kernels.cpu.fused_ops could not be built: {exc}"
+        self.fused_ops = fused_ops
+        return None
