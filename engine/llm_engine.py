@@ -55,6 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         tp_size = config.parallel.tensor_parallel_size
+        name = config.model.model
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
         resolve_architecture(self.hf_config)  # refuse what we cannot run before sizing anything
@@ -71,11 +72,17 @@ class LLMEngine:
             choice.block_size,
             choice.why,
         )
+        # The workers load the folder resolved here: one Hub look-up, and every rank on the same
+        # commit of a repo even if its branch moves meanwhile (a tokenizer named like the model
+        # is the model's, in that folder).
+        tokenizer = None if config.model.tokenizer == name else config.model.tokenizer
         # From here on these choices are part of the config: the runners, here and in workers, read them.
         config = config.model_copy(
             update={
                 "model": config.model.model_copy(
                     update={
+                        "model": str(self.model_path),
+                        "tokenizer": tokenizer,
                         "device": device,
                         "dtype": str(dtype).removeprefix("torch."),
                         "attention_backend": choice.name,
@@ -107,7 +114,7 @@ class LLMEngine:
             raise
         self.tokenizer = self.executor.loaded.tokenizer
         self.info = EngineInfo(
-            model=config.model.model,
+            model=name,
             model_path=str(self.model_path),
             tokenizer=self.tokenizer,
             max_model_len=self.max_model_len,

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
+from engine.hub import download_model, is_repo_id, tokenizer_path
 from engine.models.llama import CheckpointTensor, LlamaForCausalLM
 from engine.models.registry import resolve_architecture
 from engine.parallel.shard import WHOLE, Shard
@@ -37,14 +38,20 @@ def resolve_model_path(config: ModelConfig) -> Path:
     if config.model is None:
         return default_model_dir(config.model_cache_dir)
     path = Path(config.model).expanduser()
+    if not path.is_dir() and is_repo_id(config.model):  # an existing folder wins over a repo id
+        path = download_model(config.model, config.revision, config.download_dir, _check_servable)
     if not path.is_dir():
         raise ModelLoadError(
-            f"model folder {config.model!r} does not exist (pagedserve loads local Hugging Face folders; "
-            "omit the model to serve the bundled default)"
+            f"model folder {config.model!r} does not exist (pagedserve loads local Hugging Face folders "
+            "and Hub repo ids org/name; omit the model to serve the bundled default)"
         )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder {path} has no config.json")
     return path
+
+
+def _check_servable(path: Path) -> None:
+    resolve_architecture(load_hf_config(path))
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
@@ -126,7 +133,7 @@ def load_model(config: ModelConfig, shard: Shard = WHOLE) -> LoadedModel:
     path = resolve_model_path(config)
     hf_config = load_hf_config(path)
     architecture = resolve_architecture(hf_config)
-    tokenizer = load_tokenizer(path if config.tokenizer is None else Path(config.tokenizer))
+    tokenizer = load_tokenizer(path if config.tokenizer is None else tokenizer_path(config))
     device = torch.device(config.device)
     dtype, _ = resolve_dtype(config.dtype, hf_config, device)
     with torch.device("meta"):
