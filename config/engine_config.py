@@ -37,9 +37,22 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     model: str | None = Field(
         None,
-        description="local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)",
+        description="local Hugging Face model folder, or a Hub repo id org/name (default: the bundled "
+        "SmolLM2-135M-Instruct)",
     )
-    tokenizer: str | None = Field(None, description="tokenizer folder, when it is not the model's")
+    tokenizer: str | None = Field(
+        None, description="tokenizer folder or Hub repo id, when it is not the model's"
+    )
+    revision: str | None = Field(
+        None,
+        min_length=1,
+        description="branch, tag or commit of a Hub model (default: main; a local folder has none)",
+    )
+    download_dir: Path | None = Field(
+        None,
+        description="Hugging Face hub cache that Hub models are downloaded into and loaded from "
+        "(default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    )
     dtype: DType = Field(
         "auto",
         description="weight and activation dtype (auto: the model's on a GPU; on a CPU bfloat16 where it "

@@ -16,9 +16,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
+from engine.hub import download_model, is_repo_id
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import CheckpointTensor
-from engine.models.registry import model_class
+from engine.models.registry import model_class, resolve_architecture
 from engine.parallel.shard import Shard
 
 if TYPE_CHECKING:
@@ -33,21 +34,28 @@ def resolve_model_path(config: ModelConfig) -> Path:
     if config.model is None:
         return default_model_dir(config.model_cache_dir)
     path = Path(config.model).expanduser()
+    if not path.is_dir() and is_repo_id(config.model):  # an existing folder wins over a repo id
+        path = download_model(config.model, config.revision, config.download_dir, _check_servable)
     if not path.is_dir():
         raise ModelLoadError(
-            f"model folder {config.model!r} does not exist (pagedserve loads local Hugging Face folders; "
-            "omit the model to serve the bundled default)"
+            f"model folder {config.model!r} does not exist (pagedserve loads local Hugging Face folders "
+            "and Hub repo ids org/name; omit the model to serve the bundled default)"
         )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder {path} has no config.json")
     return path
 
 
+def _check_servable(path: Path) -> None:
+    resolve_architecture(load_hf_config(path))
+
+
 def load_hf_config(path: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
+        # Never code from the folder, and never a prompt asking whether to run it.
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
 
@@ -56,7 +64,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
 

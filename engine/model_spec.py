@@ -13,6 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from config import EngineConfig
+from engine.hub import tokenizer_path
 from engine.model_loader import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
 from engine.models.registry import describe, resolve_architecture
@@ -86,10 +87,9 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         choice.block_size,
         choice.why,
     )
-    tokenizer = config.model.tokenizer
     return ModelSpec(
         path=path,
-        tokenizer_path=path if tokenizer is None else Path(tokenizer),
+        tokenizer_path=path if config.model.tokenizer is None else tokenizer_path(config.model),
         hf_config=hf_config,
         architecture=architecture,
         info=info,

@@ -16,7 +16,10 @@ from config.engine_config import ENGINE_SECTIONS
 from config.sources import SERVE_SECTIONS, add_flags, merge, serve_config
 from engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 
-MODEL_HELP = "local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
+MODEL_HELP = (
+    "local Hugging Face model folder, or a Hub repo id org/name (default: the bundled "
+    "SmolLM2-135M-Instruct)"
+)
 CONFIG_HELP = (
     "YAML file of settings keyed by flag name; flags and PAGEDSERVE_* variables override it"
 )

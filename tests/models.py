@@ -75,7 +75,8 @@ def build_random_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer))
-    cfg = _config(arch, len(tok), **overrides)
+    # A smaller vocab_size keeps the tokenizer's first ids only: small weights for small tests.
+    cfg = _config(arch, overrides.pop("vocab_size", len(tok)), **overrides)
     cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

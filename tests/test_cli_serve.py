@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError
+from config import ConfigError, EngineConfig, ModelConfig
 from config.engine_config import flag
 from config.sources import SERVE_SECTIONS, serve_config
 from server import cli
@@ -55,6 +55,27 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None
     assert config.engine.scheduler.max_num_batched_tokens == 2048  # default
     assert config.server.metrics_names == "pagedserve"  # default: our own names
     assert serve_config({}, {"PAGEDSERVE_METRICS_NAMES": "vllm"}).server.metrics_names == "vllm"
+
+
+def test_hub_settings_from_flags_environment_file_and_kwargs(tmp_path: Path) -> None:
+    argv = ["serve", "Qwen/Qwen3-0.6B", "--revision", "v2", "--download-dir", str(tmp_path)]
+    args = vars(cli.build_parser().parse_args([*argv, "--tokenizer", "org/tok"]))
+    del args["command"], args["config"]
+    model = serve_config(args, {}).engine.model
+    assert (model.model, model.tokenizer) == ("Qwen/Qwen3-0.6B", "org/tok")
+    assert (model.revision, model.download_dir) == ("v2", tmp_path)
+    env = {"PAGEDSERVE_REVISION": "0" * 40, "PAGEDSERVE_DOWNLOAD_DIR": "/hf/cache"}
+    model = serve_config({}, env).engine.model
+    assert (model.revision, model.download_dir) == ("0" * 40, Path("/hf/cache"))
+    path = tmp_path / "settings.yaml"
+    path.write_text("revision: main\ndownload-dir: /models/hf\n")
+    model = serve_config({}, {}, path).engine.model
+    assert (model.revision, model.download_dir) == ("main", Path("/models/hf"))
+    model = EngineConfig.from_kwargs(model="org/name", revision="v1", download_dir="/d").model
+    assert (model.model, model.revision, model.download_dir) == ("org/name", "v1", Path("/d"))
+    assert (ModelConfig().revision, ModelConfig().download_dir) == (None, None)  # main, HF's cache
+    with pytest.raises(ConfigError, match="--revision"):
+        serve_config({"revision": ""}, {})
 
 
 @pytest.mark.parametrize(
