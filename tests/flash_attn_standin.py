@@ -8,6 +8,13 @@ backends make: flash-attn 2's `flash_attn_varlen_func(..., block_table=)` and
 kv_heads); a causal mask is aligned to the bottom right (query row r of Lq sees keys up to
 r + Lk - Lq). The documented argument rules are asserted, so a backend that breaks one fails
 here as it would on a GPU. What this cannot show is the kernels' own numerics.
+
+Local attention and softcapping as the libraries document and implement them: `window_size=
+(left, right)` lets row r see keys r + Lk - Lq - left .. r + Lk - Lq + right, a bound of -1
+(flash-attn 2) or None (flash-attn 4) being no bound, `causal=True` setting right to 0 (both
+libraries do so before choosing a mask; flash-attn 4 also drops a pair whose sum is negative);
+`softcap` > 0 turns the scaled scores s into softcap * tanh(s / softcap) before the mask, 0.0
+turns it off.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ def _attend(
     table: torch.Tensor,
     seqlen_k: int,
     scale: float,
-    causal: bool,
+    left: int | None,
+    right: int | None,
+    softcap: float,
 ) -> torch.Tensor:
-    """One sequence: q [Lq, heads, dim] against its first `seqlen_k` keys found through `table`."""
+    """One sequence: q [Lq, heads, dim] against its first `seqlen_k` keys found through `table`;
+    row r sees keys r + Lk - Lq - left .. r + Lk - Lq + right (None: unbounded on that side)."""
     page = k_cache.shape[1]
     pos = torch.arange(seqlen_k, device=q.device)
     blocks = table.long()[pos // page]
@@ -39,10 +49,39 @@ def _attend(
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    if causal:
-        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + seqlen_k - q.shape[0]
-        scores = scores.masked_fill(pos.unsqueeze(0) > rows, float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + seqlen_k - q.shape[0]
+    if right is not None:
+        scores = scores.masked_fill(pos.unsqueeze(0) > rows + right, float("-inf"))
+    if left is not None:
+        scores = scores.masked_fill(pos.unsqueeze(0) < rows - left, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+
+
+def _fa2_bounds(causal: bool, window_size, softcap) -> tuple[int | None, int | None]:
+    """flash-attn 2's window: two ints, negative meaning unbounded; causal sets right to 0."""
+    assert isinstance(window_size, tuple) and len(window_size) == 2
+    assert all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    assert isinstance(softcap, float) and softcap >= 0.0, "softcap: a float, 0.0 when off"
+    left, right = window_size
+    if causal:
+        right = 0
+    return (left if left >= 0 else None), (right if right >= 0 else None)
+
+
+def _fa4_bounds(causal: bool, window_size, softcap) -> tuple[int | None, int | None]:
+    """flash-attn 4's window: ints or None (unbounded); causal sets right to 0, and a pair
+    whose sum is negative is dropped (flash_attn/cute/interface.py)."""
+    assert isinstance(window_size, tuple) and len(window_size) == 2
+    assert all(w is None or (isinstance(w, int) and not isinstance(w, bool)) for w in window_size)
+    assert isinstance(softcap, float) and softcap >= 0.0, "softcap: a float, 0.0 when off"
+    left, right = window_size
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    return left, right
 
 
 def _check_paged(
@@ -83,10 +122,11 @@ def fa2_varlen(
     lens_k = [b - a for a, b in itertools.pairwise(cu_k)]
     assert max(lens_q) <= max_seqlen_q and max(lens_k) <= max_seqlen_k
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    left, right = _fa2_bounds(causal, window_size, softcap)
     out = torch.empty_like(q)
     for i in range(batch):
         rows = slice(cu_q[i], cu_q[i + 1])
-        out[rows] = _attend(q[rows], k, v, block_table[i], lens_k[i], scale, causal)
+        out[rows] = _attend(q[rows], k, v, block_table[i], lens_k[i], scale, left, right, softcap)
     return out
 
 
@@ -119,9 +159,20 @@ def fa2_with_kvcache(
     assert isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
     _check_paged(k_cache, v_cache, block_table, q.shape[0])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    left, right = _fa2_bounds(causal, window_size, softcap)
     out = torch.stack(
         [
-            _attend(q[i], k_cache, v_cache, block_table[i], int(cache_seqlens[i]), scale, causal)
+            _attend(
+                q[i],
+                k_cache,
+                v_cache,
+                block_table[i],
+                int(cache_seqlens[i]),
+                scale,
+                left,
+                right,
+                softcap,
+            )
             for i in range(q.shape[0])
         ]
     )
@@ -164,10 +215,13 @@ def fa4_varlen(
     _check_paged(k, v, page_table, batch)
     cu_q = cu_seqlens_q.tolist()
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    left, right = _fa4_bounds(causal, window_size, softcap)
     out = torch.empty_like(q)
     for i in range(batch):
         rows = slice(cu_q[i], cu_q[i + 1])
-        out[rows] = _attend(q[rows], k, v, page_table[i], int(seqused_k[i]), scale, causal)
+        out[rows] = _attend(
+            q[rows], k, v, page_table[i], int(seqused_k[i]), scale, left, right, softcap
+        )
     return out, None
 
 

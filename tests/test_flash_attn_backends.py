@@ -1,8 +1,10 @@
 """The flash-attn 2 and 4 backends against the torch reference, through a stand-in for the
 flash-attn kernels (tests/flash_attn_standin.py: flash-attn needs a CUDA GPU). This checks what
 the backends themselves do: which call a step takes, the cache layout, block tables, offsets and
-lengths they pass, and the documented argument rules. The kernels' numerics are checked only by
-tests/test_gpu.py on a GPU with flash-attn installed."""
+lengths they pass, and the documented argument rules; with a sliding window and a softcap, that
+they pass them under the libraries' names and in their conventions (the stand-in masks and caps
+as the libraries do). The kernels' numerics are checked only by tests/test_gpu.py on a GPU with
+flash-attn installed."""
 
 from __future__ import annotations
 
@@ -59,6 +61,53 @@ def test_flash_attn_4(calls: list[str], heads: int, kv_heads: int, block_size: i
     """One varlen call with a page table and per-request key counts, whatever the step's mix."""
     check_against_reference(
         lambda: build_backend("flash-attn-4"), heads, kv_heads, 128, block_size, shapes
+    )
+    assert calls == ["flash_attn.cute.flash_attn_varlen_func"]
+
+
+# (sliding window, softcap): within a block of 256 with a cap that bites, across blocks (DECODES
+# has a context of 513), a cap alone, and a window of one key.
+WINDOW_SOFTCAP = [(5, 2.0), (300, None), (None, 50.0), (1, None)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+@pytest.mark.parametrize(
+    ("shapes", "kernel"),
+    [
+        (SHAPES, "flash_attn.flash_attn_varlen_func"),
+        (DECODES, "flash_attn.flash_attn_with_kvcache"),
+    ],
+)
+def test_flash_attn_2_window_and_softcap(
+    calls: list[str], shapes, kernel: str, window: int | None, softcap: float | None
+) -> None:
+    check_against_reference(
+        lambda: build_backend("flash-attn"),
+        8,
+        2,
+        64,
+        256,
+        shapes,
+        sliding_window=window,
+        softcap=softcap,
+    )
+    assert calls == [kernel]
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+@pytest.mark.parametrize("shapes", [SHAPES, DECODES])
+def test_flash_attn_4_window_and_softcap(
+    calls: list[str], shapes, window: int | None, softcap: float | None
+) -> None:
+    check_against_reference(
+        lambda: build_backend("flash-attn-4"),
+        8,
+        2,
+        128,
+        16,
+        shapes,
+        sliding_window=window,
+        softcap=softcap,
     )
     assert calls == ["flash_attn.cute.flash_attn_varlen_func"]
 

@@ -6,8 +6,10 @@ shared memory one block may have there. The launches come from the kernels' own 
 Shapes: each dtype --dtype allows (the Triton backend takes all three), the head dims of real
 models (64 and 128, as SmolLM2 and Llama 3 / Qwen / Mistral have; 256, the largest the kernels
 are tested at), the default block size, and every block size --block-size allows at the
-default model's shape: 84 compiles, about 40 s of CPU, spread over the cores in processes of
-their own. A target the toolchain here cannot build for at all is skipped, saying why."""
+default model's shape; and the attention kernel's specialization for a sliding window and a
+softcap at every model's shape in bfloat16: 93 compiles, about 45 s of CPU, spread over the
+cores in processes of their own. A target the toolchain here cannot build for at all is
+skipped, saying why."""
 
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ CASES = [
         Case("paged_attention", DEFAULT_MODEL, "bfloat16", block_size, capability)
         for block_size in BLOCK_SIZES
         if block_size != DEFAULT_BLOCK_SIZE
+        for capability in CAPABILITIES
+    ),
+    # The window and the softcap add compile-time branches; the half type a GPU runs them in.
+    *(
+        Case("paged_attention", model, "bfloat16", DEFAULT_BLOCK_SIZE, capability, True)
+        for model in MODELS
         for capability in CAPABILITIES
     ),
 ]

@@ -1,8 +1,9 @@
 """The Triton kernels (under Triton's interpreter on a CPU) against the torch reference, float32:
 the KV store with padded slots and strided rows, and paged attention for decode rows with ragged
 context lengths, prefill chunks, and chunks that follow a cached prefix, mixed in one step;
-GQA ratios 1, 4 and 8, head dims 64 and 128 (and 256, 96, 8), block sizes 16 and 256. Then the
-whole engine on the Triton backend: the torch backend's greedy tokens. On a CUDA machine the
+GQA ratios 1, 4 and 8, head dims 64 and 128 (and 256, 96, 8), block sizes 16 and 256; sliding
+windows and softcaps. Then the whole engine on the Triton backend: the torch backend's greedy
+tokens. On a CUDA machine the
 same tests compile the kernels for it."""
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ def test_paged_attention_matches_reference(
 def test_other_head_dims(dim: int) -> None:
     """256 (Gemma-sized), and sizes that are not powers of two or below a tile's side."""
     check_against_reference(TritonBackend, 8, 2, dim, 32, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "block_size"),
+    [(1, None, 16), (5, 2.0, 16), (40, 50.0, 16), (None, 2.0, 16), (100, None, 256)],
+)
+def test_window_and_softcap_match_reference(
+    window: int | None, softcap: float | None, block_size: int
+) -> None:
+    """A window of one key, one inside a tile of keys with a cap that bites, one across tiles
+    (whose rows' windows start in different tiles), a cap alone, and a window starting in the
+    middle of a block of 256."""
+    check_against_reference(
+        TritonBackend,
+        8,
+        2,
+        64,
+        block_size,
+        device=DEVICE,
+        sliding_window=window,
+        softcap=softcap,
+    )
 
 
 # --------------------------------------------------------------------------- the engine on it

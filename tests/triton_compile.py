@@ -56,10 +56,14 @@ class Case:
     dtype: str  # a torch dtype's name
     block_size: int
     capability: int
+    # paged_attention's specialization for a layer with a sliding window and a softcap (Gemma 2's
+    # 4096 and 50.0), which compiles code the plain one does not.
+    window_and_softcap: bool = False
 
     @property
     def key(self) -> str:
-        return f"{self.kernel}-{self.model}-{self.dtype}-b{self.block_size}-sm{self.capability}"
+        variant = "-window-softcap" if self.window_and_softcap else ""
+        return f"{self.kernel}{variant}-{self.model}-{self.dtype}-b{self.block_size}-sm{self.capability}"
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,8 @@ def launch_for(case: Case) -> KernelLaunch:
         _meta(reqs, dtype=torch.int32),  # seqlens_k
         max_query_len=64,
         scale=model.head_dim**-0.5,
+        sliding_window=4096 if case.window_and_softcap else None,
+        softcap=50.0 if case.window_and_softcap else None,
     )
 
 

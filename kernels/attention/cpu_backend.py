@@ -6,7 +6,14 @@ Why two paths: the kernel computes a row's scores key by key in float32, which i
 needs (one row, a context read once) but leaves a long chunk's score matrix to vector code that
 is 5-7x slower than SDPA's blocked bf16 matrix products (1024 fresh rows, 9/3 heads of 64:
 23 ms against 3.2 ms a layer). A fresh chunk attends to its own K/V with `is_causal`; a chunk
-after cached context gathers that context and takes a mask, both planned once per step.
+after cached context gathers that context and takes a mask, both planned once per step (and
+sliding window).
+
+A sliding window goes to the kernel, which starts each row at its first visible key; for SDPA
+it is part of the mask (a fresh prompt the window cuts into takes one too), and a chunk after
+cached context gathers only the keys its first row's window reaches. SDPA cannot cap scores, so
+a layer with a softcap sends every chunk, long ones included, through the kernel: correct, and
+its memory stays a tile's, but a long prompt's prefill in such layers runs at the kernel's speed.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionMetadata
+from kernels.attention.backend import AttentionMetadata, check_window_and_softcap
 from kernels.attention.torch_ref import context_slots, visible_keys
 from kernels.cpu.paged_attention_op import paged_attention
 from kernels.kv_store import store_kv
@@ -25,17 +32,29 @@ from kernels.kv_store import store_kv
 # Chunks with more query rows than this go through SDPA; at and below it the kernel is as fast
 # (its 16-row tiles reuse each key while it is in cache) and one call covers them all.
 KERNEL_MAX_QUERY_LEN = 32
+NO_LIMIT = 2**31 - 1  # a query length limit that every chunk is within
 
 
 @dataclass(frozen=True)
 class _Chunk:
     rows: slice  # its query rows in the step
-    slots: torch.Tensor | None  # [context] cache slots to gather; None: a fresh prompt's own K/V
-    mask: torch.Tensor | None  # [rows, context] additive mask, with `slots`
+    slots: torch.Tensor | None  # [keys] cache slots to gather; None: a fresh prompt's own K/V
+    mask: torch.Tensor | None  # [rows, keys] additive mask; None: causal (`is_causal`)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as SDPA's additive one: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
 
 
 def _plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, device: torch.device
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None,
 ) -> list[_Chunk]:
     starts = itertools.accumulate(meta.query_lens, initial=0)
     chunks = []
@@ -44,13 +63,17 @@ def _plan(
             continue
         rows = slice(start, start + q_len)
         if ctx == q_len:
-            chunks.append(_Chunk(rows, None, None))
+            if window is None or window >= ctx:  # the window hides nothing
+                chunks.append(_Chunk(rows, None, None))
+            else:
+                visible = visible_keys(q_len, ctx, device, window)
+                chunks.append(_Chunk(rows, None, _additive(visible, dtype)))
             continue
-        hidden = ~visible_keys(q_len, ctx, device)
-        mask = torch.zeros(q_len, ctx, dtype=dtype, device=device).masked_fill_(
-            hidden, float("-inf")
-        )
-        chunks.append(_Chunk(rows, context_slots(meta.block_tables[i], ctx, block_size), mask))
+        # The first row's window starts earliest; keys before it are seen by no row.
+        first = 0 if window is None else max(0, ctx - q_len + 1 - window)
+        visible = visible_keys(q_len, ctx, device, window, first)
+        slots = context_slots(meta.block_tables[i], ctx, block_size, first)
+        chunks.append(_Chunk(rows, slots, _additive(visible, dtype)))
     return chunks
 
 
@@ -73,12 +96,21 @@ class CpuPagedBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        check_window_and_softcap(sliding_window, softcap)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         _, block_size, kv_heads, dim = k_cache.shape
-        if meta.backend_plan is None:  # the same in every layer
-            meta.backend_plan = _plan(meta, block_size, q.dtype, q.device)
-        chunks: list[_Chunk] = meta.backend_plan
+        chunks: list[_Chunk] = []
+        max_query_len = NO_LIMIT  # with a softcap the kernel takes every chunk
+        if softcap is None:
+            max_query_len = KERNEL_MAX_QUERY_LEN
+            chunks = meta.planned(
+                ("cpu", sliding_window),
+                lambda: _plan(meta, block_size, q.dtype, q.device, sliding_window),
+            )
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(chunks) < meta.num_reqs:
@@ -91,7 +123,9 @@ class CpuPagedBackend:
                 meta.cu_seqlens_q,
                 meta.seqlens_k,
                 scale,
-                KERNEL_MAX_QUERY_LEN,
+                max_query_len,
+                sliding_window,
+                softcap,
             )
         for chunk in chunks:
             if chunk.slots is None:

@@ -1,10 +1,16 @@
-"""The Triton backend: KV store and paged attention as Triton kernels (kernels/triton)."""
+"""The Triton backend: KV store and paged attention as Triton kernels (kernels/triton).
+
+A sliding window and a softcap are compile-time flags of the attention kernel (the window's
+size and the cap are runtime arguments): a windowed layer skips the key tiles before its rows'
+windows, and a model's windowed and global layers each run their own specialization. Nothing
+is planned per step, so layers share nothing that depends on them.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import AttentionMetadata
+from kernels.attention.backend import AttentionMetadata, check_window_and_softcap
 from kernels.triton.paged_attention import paged_attention
 from kernels.triton.store_kv import store_kv
 
@@ -22,7 +28,11 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        check_window_and_softcap(sliding_window, softcap)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         max_query_len = max(meta.query_lens, default=0)
         return paged_attention(
@@ -34,4 +44,6 @@ class TritonBackend:
             meta.seqlens_k,
             max_query_len,
             scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )

@@ -9,6 +9,13 @@
 // through the block table (any block size) and converted to float32 once per work item; scores,
 // softmax and the weighted sum of values work on 16-lane vectors (one AVX-512 register), lanes
 // past a row's causal limit masked to a probability of 0.
+//
+// Two per-layer options (kernels/attention/backend.py), 0 meaning none: a sliding window of W
+// keys (a row at position p sees p-W+1 .. p), for which a row starts reading at its first visible
+// key, so that the blocks before it are never touched; and a softcap c, scores s becoming
+// c * tanh(s / c) before the mask and the softmax. Neither costs the plain layers anything: the
+// tile path takes them in a separate instance, the decode path only moves where its key loop
+// starts and caps in a softmax pass of its own.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -89,6 +96,28 @@ inline void load_row(const T* src, float* dst, int64_t dim) {
     for (; d < dim; ++d) dst[d] = to_float(src[d]);
 }
 
+// tanh of all lanes: (1 - e) / (1 + e) with e = exp(-2|x|), which exp_nonpositive covers; below
+// |x| = 1/4, where 1 - e loses digits to cancellation, the Taylor series to x^9 (its first
+// omitted term is under 3e-9 there).
+inline f16v tanh16(f16v x) {
+    const f16v a = x < 0.0f ? -x : x;
+    const f16v e = exp_nonpositive(-2.0f * a);
+    const f16v far = (1.0f - e) / (1.0f + e);
+    const f16v a2 = a * a;
+    f16v near = a2 * (62.0f / 2835.0f) - 17.0f / 315.0f;
+    near = near * a2 + 2.0f / 15.0f;
+    near = near * a2 - 1.0f / 3.0f;
+    near = (near * a2 + 1.0f) * a;
+    const f16v t = a < 0.25f ? near : far;
+    return x < 0.0f ? -t : t;
+}
+
+// Scores capped to softcap * tanh(s / softcap); lanes at -inf (masked) stay there.
+inline f16v capped(f16v s, float softcap) {
+    const f16v c = softcap * tanh16(s / softcap);
+    return s > -std::numeric_limits<float>::infinity() ? c : s;
+}
+
 inline float lane_max(f16v v) {
     float m = v[0];
     for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -144,10 +173,12 @@ struct WorkItem {
 
 // kVecs > 0: the head dim in 16-lane vectors, fixed at compile time (its loops unroll into
 // registers); 0: read at run time. A head dim that is not a multiple of 16 is zero-padded.
-template <typename T, int kVecs>
+// kShaped: whether `window` or `softcap` may be set (the instance without them does none of
+// their work).
+template <typename T, int kVecs, bool kShaped>
 void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tables, int64_t max_blocks,
             const int32_t* cu_q, const int32_t* seqlens_k, const std::vector<WorkItem>& items, int64_t heads,
-            int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+            int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window, float softcap) {
     const int64_t vecs = kVecs > 0 ? kVecs : (dim + kLanes - 1) / kLanes;
     const int64_t padded = vecs * kLanes;
     const int64_t group = heads / kv_heads;
@@ -178,8 +209,14 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
             std::fill(mx.begin(), mx.begin() + rows * group, -std::numeric_limits<float>::infinity());
             std::fill(sum.begin(), sum.begin() + rows * group, 0.0f);
             const int64_t keys = first_pos + item.row1;  // what the tile's last row sees
+            // The tile's first row sees the earliest keys: with a window, none of its rows sees
+            // the ones before that row's window, which are skipped.
+            int64_t first_key = 0;
+            if constexpr (kShaped) {
+                if (window > 0) first_key = std::max<int64_t>(0, first_pos + item.row0 + 1 - window);
+            }
             const int32_t* table = tables + item.req * max_blocks;
-            for (int64_t base = 0; base < keys; base += kLanes) {
+            for (int64_t base = first_key; base < keys; base += kLanes) {
                 const int64_t n = std::min<int64_t>(kLanes, keys - base);
                 if (n < kLanes) {  // keys past the context: zeros, so that masked lanes stay finite
                     std::fill(kf.begin() + n * vecs, kf.end(), f16v{});
@@ -196,9 +233,17 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                     load_row(vr, vd, kVecs > 0 ? kVecs * kLanes : dim);
                 }
                 for (int64_t i = 0; i < rows; ++i) {
-                    const int64_t visible = std::min<int64_t>(n, first_pos + item.row0 + i + 1 - base);
-                    if (visible <= 0) continue;
-                    const i16v in_view = lane < static_cast<int32_t>(visible);
+                    const int64_t row_pos = first_pos + item.row0 + i;
+                    // The row sees lanes [before, visible): up to its position, and from its
+                    // window's first key.
+                    const int64_t visible = std::min<int64_t>(n, row_pos + 1 - base);
+                    int64_t before = 0;
+                    if constexpr (kShaped) {
+                        if (window > 0) before = std::max<int64_t>(0, row_pos + 1 - window - base);
+                    }
+                    if (visible <= before) continue;
+                    i16v in_view = lane < static_cast<int32_t>(visible);
+                    if constexpr (kShaped) in_view &= lane >= static_cast<int32_t>(before);
                     for (int64_t g = 0; g < group; ++g) {
                         const int64_t h = i * group + g;
                         const f16v* qv = qv_buf.data() + h * vecs;
@@ -210,6 +255,9 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                             partial[j] = p;
                         }
                         f16v score = lane_sums(partial);
+                        if constexpr (kShaped) {
+                            if (softcap > 0.0f) score = capped(score, softcap);
+                        }
                         score = in_view ? score : f16v{} - std::numeric_limits<float>::infinity();
                         const float chunk_max = std::max(mx[h], lane_max(score));
                         const float correction = std::exp(mx[h] - chunk_max);
@@ -240,6 +288,26 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     });
 }
 
+// The decode path's softmax over one row of `padded` scores, in place: their exponentials less
+// the maximum (whose lanes are in `top`), capped first when kCap. Returns 1 / their sum. Capping
+// is monotonic, so the capped maximum is the maximum's cap.
+template <bool kCap>
+inline float exp_scores(float* sc, int64_t padded, f16v top, float softcap) {
+    if constexpr (kCap) top = capped(top, softcap);
+    const float mx = lane_max(top);
+    f16v total{};
+    for (int64_t base = 0; base < padded; base += kLanes) {
+        // Lanes past the context hold -inf (capping keeps it): exp_nonpositive clamps them to
+        // ~1e-38, which vanishes in a sum of at least 1 and is never read in pass two.
+        f16v s = load16(sc + base);
+        if constexpr (kCap) s = capped(s, softcap);
+        const f16v p = exp_nonpositive(s - mx);
+        total += p;
+        std::memcpy(sc + base, &p, sizeof(p));
+    }
+    return 1.0f / lane_sum(total);
+}
+
 struct DecodeItem {
     int32_t req;
     int32_t head0;  // first and past-the-last KV head
@@ -255,10 +323,14 @@ struct DecodeItem {
 // block's rows whole: decode waits on memory, and items of one KV head each (reading 1/kv_heads
 // of every token's row) took 21% longer a step at 2,048 tokens of context. Prefetching the next
 // chunk's rows by hand did not measurably help.
+//
+// A sliding window only moves where both passes start (a decode row sees every key from its
+// window's first to itself, so no lane needs masking for it); a softcap is applied in the
+// softmax pass (exp_scores), out of the two passes over the keys.
 template <typename T, int kVecs, int kGroup>
 void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tables, int64_t max_blocks,
             const int32_t* cu_q, const int32_t* seqlens_k, const std::vector<DecodeItem>& items, int64_t heads,
-            int64_t kv_heads, int64_t block_size, float scale) {
+            int64_t kv_heads, int64_t block_size, float scale, int64_t window, float softcap) {
     constexpr int64_t dim = kVecs * kLanes;
     const int64_t token_stride = kv_heads * dim;
     const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -271,7 +343,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
             const DecodeItem& item = items[w];
             const int64_t row = cu_q[item.req];
             const int64_t keys = seqlens_k[item.req];
-            const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;
+            const int64_t first = window > 0 ? std::max<int64_t>(0, keys - window) : 0;  // first key read
+            const int64_t padded = (keys - first + kLanes - 1) / kLanes * kLanes;  // scores from `first` on
             const int64_t n_heads = item.head1 - item.head0;
             if (static_cast<int64_t>(scores.size()) < n_heads * kGroup * padded) {
                 scores.resize(n_heads * kGroup * padded);
@@ -292,7 +365,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                 }
             }
             int64_t offsets[kLanes];  // the chunk's keys
-            for (int64_t base = 0; base < keys; base += kLanes) {
+            for (int64_t base = first; base < keys; base += kLanes) {
                 const int64_t n = std::min<int64_t>(kLanes, keys - base);
                 for (int64_t j = 0; j < n; ++j) offsets[j] = token_at(base + j);
                 const i16v in_view = lane < static_cast<int32_t>(n);
@@ -321,24 +394,16 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                         s = in_view ? s : minus_inf;
                         f16v& t = top[h * kGroup + g];
                         t = t > s ? t : s;
-                        std::memcpy(scores.data() + (h * kGroup + g) * padded + base, &s, sizeof(s));
+                        std::memcpy(scores.data() + (h * kGroup + g) * padded + (base - first), &s, sizeof(s));
                     }
                 }
             }
             for (int64_t hg = 0; hg < n_heads * kGroup; ++hg) {
-                const float mx = lane_max(top[hg]);
                 float* sc = scores.data() + hg * padded;
-                f16v total{};
-                for (int64_t base = 0; base < padded; base += kLanes) {
-                    // Lanes past the context hold -inf: exp_nonpositive clamps them to ~1e-38,
-                    // which vanishes in a sum of at least 1 and is never read in pass two.
-                    const f16v p = exp_nonpositive(load16(sc + base) - mx);
-                    total += p;
-                    std::memcpy(sc + base, &p, sizeof(p));
-                }
-                inv_sum[hg] = 1.0f / lane_sum(total);
+                inv_sum[hg] = softcap > 0.0f ? exp_scores<true>(sc, padded, top[hg], softcap)
+                                             : exp_scores<false>(sc, padded, top[hg], softcap);
             }
-            for (int64_t base = 0; base < keys; base += kLanes) {
+            for (int64_t base = first; base < keys; base += kLanes) {
                 const int64_t n = std::min<int64_t>(kLanes, keys - base);
                 for (int64_t j = 0; j < n; ++j) offsets[j] = token_at(base + j);
                 for (int64_t h = 0; h < n_heads; ++h) {
@@ -346,7 +411,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                     for (int g = 0; g < kGroup; ++g) {
                         for (int c = 0; c < kVecs; ++c) a[g][c] = acc[(h * kGroup + g) * kVecs + c];
                     }
-                    const float* probs = scores.data() + h * kGroup * padded + base;
+                    const float* probs = scores.data() + h * kGroup * padded + (base - first);
                     for (int64_t j = 0; j < n; ++j) {
                         const T* vr = v_cache + offsets[j] + h * dim;
                         f16v vv[kVecs];
@@ -380,14 +445,14 @@ template <typename T>
 bool try_decode(int64_t group, int64_t dim, const T* q, const T* k_cache, const T* v_cache, T* out,
                 const int32_t* tables, int64_t max_blocks, const int32_t* cu_q, const int32_t* seqlens_k,
                 const std::vector<DecodeItem>& items, int64_t heads, int64_t kv_heads, int64_t block_size,
-                float scale) {
+                float scale, int64_t window, float softcap) {
     if (items.empty()) return true;
     if constexpr (kVectorLoads<T>) {
         bool taken = true;
         const auto run = [&](auto vecs_tag, auto group_tag) {
             decode<T, decltype(vecs_tag)::value, decltype(group_tag)::value>(
                 q, k_cache, v_cache, out, tables, max_blocks, cu_q, seqlens_k, items, heads, kv_heads, block_size,
-                scale);
+                scale, window, softcap);
         };
         const auto for_group = [&](auto vecs_tag) {
             switch (group) {
@@ -420,9 +485,11 @@ bool try_decode(int64_t group, int64_t dim, const T* q, const T* k_cache, const 
 // block_tables: [requests, max_blocks] int32; cu_seqlens_q: [requests + 1] int32;
 // seqlens_k: [requests] int32 (context length including the new tokens). Requests with more
 // than max_query_len query rows are skipped: their rows of `out` are left to the caller.
+// window: keys a row sees, its own included (0: all up to it); softcap: scores capped to
+// softcap * tanh(s / softcap) (0: not capped).
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k, double scale,
-                     int64_t max_query_len) {
+                     int64_t max_query_len, int64_t window, double softcap) {
     TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "paged_attention: q, out and the caches must be contiguous");
     TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt, "block_tables: contiguous int32");
@@ -433,6 +500,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     const int64_t heads = q.size(1), dim = q.size(2);
     const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
     TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_attention: head shapes do not match");
+    TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must not be negative");
+    const float cap = static_cast<float>(softcap);
     const int64_t requests = seqlens_k.size(0);
     auto cu = cu_seqlens_q.contiguous();
     auto seq = seqlens_k.contiguous();
@@ -466,16 +535,24 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
         if (!try_decode<scalar_t>(group, dim, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                   v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                   block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p, decode_items,
-                                  heads, kv_heads, block_size, static_cast<float>(scale))) {
+                                  heads, kv_heads, block_size, static_cast<float>(scale), window, cap)) {
             for (const DecodeItem& d : decode_items) {
                 for (int32_t h = d.head0; h < d.head1; ++h) items.push_back({d.req, h, 0, 1});
             }
         }
+        const bool shaped = window > 0 || cap > 0.0f;
         auto run = [&](auto vecs_tag) {
-            attend<scalar_t, decltype(vecs_tag)::value>(
-                q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p, items,
-                heads, kv_heads, dim, block_size, static_cast<float>(scale));
+            const auto with = [&](auto shaped_tag) {
+                attend<scalar_t, decltype(vecs_tag)::value, decltype(shaped_tag)::value>(
+                    q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                    out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), cu_p, seq_p,
+                    items, heads, kv_heads, dim, block_size, static_cast<float>(scale), window, cap);
+            };
+            if (shaped) {
+                with(std::true_type{});
+            } else {
+                with(std::false_type{});
+            }
         };
         if (dim == 64) {
             run(std::integral_constant<int, 4>{});

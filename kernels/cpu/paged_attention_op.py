@@ -20,10 +20,24 @@ def paged_attention(
     seqlens_k: torch.Tensor,
     scale: float,
     max_query_len: int = 2**31 - 1,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Writes into `out` [tokens, heads, dim] the causal attention of every query row of `q`
-    over its request's cached keys (all contiguous; tables and lengths int32). The rows of
-    requests with more than `max_query_len` query rows are not written."""
+    over its request's cached keys (all contiguous; tables and lengths int32), each row seeing
+    only the last `sliding_window` keys up to its own and its scores capped by `softcap` when
+    given (kernels/attention/backend.py). The rows of requests with more than `max_query_len`
+    query rows are not written."""
     _module.paged_attention(
-        out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, max_query_len
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        scale,
+        max_query_len,
+        sliding_window or 0,  # the kernel's "none"
+        softcap or 0.0,
     )
