@@ -61,11 +61,105 @@ def _config(arch: str, vocab_size: int, **overrides):
         cfg = Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     elif arch == "qwen3":  # q/k norm, explicit head_dim
         cfg = Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    elif arch in NEW_ARCHITECTURES:
+        cfg = NEW_ARCHITECTURES[arch](common)
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def _gemma2(common: dict):
+    """Windows narrower than the test prompts, soft-capping that bites on random weights, a
+    query scale that is not head_dim's, untied so that the head is loaded too."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **{**common, "num_hidden_layers": 3},
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=21,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=False,
+    )
+
+
+def _gemma3(common: dict):
+    """Local, global, local layers with different rotary bases; q/k norms; tied."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **{**common, "num_hidden_layers": 3},
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=19,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+
+
+def _phi3(common: dict):
+    """Fused qkv and gate-up checkpoint tensors, LongRoPE (short factors: the test context fits
+    the original one), a sliding window on every layer."""
+    from transformers import Phi3Config
+
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    return Phi3Config(
+        **common,
+        num_key_value_heads=2,
+        sliding_window=27,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        original_max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(head_dim // 2)],
+            "long_factor": [2.0 + 0.1 * i for i in range(head_dim // 2)],
+            "original_max_position_embeddings": 512,
+        },
+    )
+
+
+def _mixtral(common: dict):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **common,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_moe(common: dict):
+    """Top-2 of 4 experts without renormalisation; layer 1 keeps a dense MLP."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **{**common, "num_hidden_layers": 3},
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        tie_word_embeddings=True,
+    )
+
+
+NEW_ARCHITECTURES = {
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+}
 
 
 def build_random_model(

@@ -167,7 +167,7 @@ def test_cli_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_windowed_models_serve_their_whole_context_with_a_window_per_layer() -> None:
     """Sliding-window layers attend through their window, so a windowed model is served up to
     its trained context; which layers are windowed comes from the config."""
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
 
     from engine.model_spec import context_limit
     from engine.models.registry import describe
@@ -184,6 +184,8 @@ def test_windowed_models_serve_their_whole_context_with_a_window_per_layer() -> 
         sliding_window=64, use_sliding_window=True, max_window_layers=1, num_hidden_layers=3
     )
     assert describe(on).sliding_windows == (None, 64, 64)
+    gemma = Gemma2Config(sliding_window=32, num_hidden_layers=4)
+    assert describe(gemma).sliding_windows == (32, None, 32, None)
 
 
 @pytest.mark.parametrize(("native_bf16", "want"), [(True, torch.bfloat16), (False, torch.float32)])

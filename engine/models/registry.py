@@ -18,6 +18,11 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM", "mistral"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM", "qwen2"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM", "qwen3"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

@@ -93,10 +93,15 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        extra = {}  # TEMPORARY until the backends take these
-        if self.options.sliding_window is not None:
-            extra["sliding_window"] = self.options.sliding_window
-        if self.options.softcap is not None:
-            extra["softcap"] = self.options.softcap
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, **extra)
+        out = ctx.backend.forward(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            ctx.meta,
+            self.scale,
+            sliding_window=self.options.sliding_window,
+            softcap=self.options.softcap,
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
