@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.models.interface import ArchitectureInfo
-from engine.models.layers.attention import ForwardContext
+from engine.models.layers.attention import Attention, AttentionOptions, ForwardContext
 from engine.models.layers.linear import (
     CheckpointTensor,
     PackableLinear,
@@ -92,6 +92,19 @@ class DecoderModel(nn.Module):
 
     def build_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
+
+    def attention(self, index: int, options: AttentionOptions) -> Attention:
+        """Layer `index`'s attention, with this model's head shapes and this rank's heads."""
+        info = self.info
+        return Attention(
+            self.config.hidden_size,
+            info.num_heads,
+            info.num_kv_heads,
+            info.head_dim,
+            index,
+            self.shard,
+            options,
+        )
 
     def rope_settings(self) -> dict[str, dict]:
         """The rotary tables the layers read, by the name their attention options give."""

@@ -39,14 +39,9 @@ class SandwichLayer(nn.Module):
 def gemma_attention(
     model: DecoderModel, index: int, *, qk_norm: bool, rope: str = "default"
 ) -> Attention:
-    cfg, info = model.config, model.info
-    return Attention(
-        cfg.hidden_size,
-        info.num_heads,
-        info.num_kv_heads,
-        info.head_dim,
+    cfg = model.config
+    return model.attention(
         index,
-        model.shard,
         AttentionOptions(
             qkv_bias=bool(getattr(cfg, "attention_bias", False)),
             o_bias=bool(getattr(cfg, "attention_bias", False)),
@@ -54,7 +49,7 @@ def gemma_attention(
             gemma_norm=True,
             norm_eps=cfg.rms_norm_eps,
             scale=cfg.query_pre_attn_scalar**-0.5,
-            sliding_window=info.sliding_windows[index],
+            sliding_window=model.info.sliding_windows[index],
             softcap=getattr(cfg, "attn_logit_softcapping", None),
             rope=rope,
         ),

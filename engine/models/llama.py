@@ -18,20 +18,14 @@ from engine.models.layers.norm import RMSNorm
 
 
 def llama_attention(cfg: PretrainedConfig, model: DecoderModel, index: int) -> Attention:
-    info = model.info
-    return Attention(
-        cfg.hidden_size,
-        info.num_heads,
-        info.num_kv_heads,
-        info.head_dim,
+    return model.attention(
         index,
-        model.shard,
         AttentionOptions(
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             o_bias=bool(getattr(cfg, "attention_bias", False)),
             qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
             norm_eps=cfg.rms_norm_eps,
-            sliding_window=info.sliding_windows[index],
+            sliding_window=model.info.sliding_windows[index],
         ),
     )
 
