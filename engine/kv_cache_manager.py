@@ -4,6 +4,11 @@ A full block is identified by a chained hash: hash(parent block's hash, this blo
 so equal hashes mean equal whole prefixes. Blocks are registered in the cache as soon as they
 are scheduled full: their tokens are known then, and their K/V is written in the same forward
 pass, before any attention reads it.
+
+When every layer attends through a sliding window, a block whose tokens all lie before the
+window of the next query is read by no layer again: it goes back to the pool (keeping its
+hash, so a later prompt with the same prefix still finds it) and its table entry becomes
+`SLID_PAST`. The attention backends start each row at its window, so they never read it.
 """
 
 from __future__ import annotations
@@ -14,15 +19,25 @@ from array import array
 from engine.block_pool import BlockHash, BlockPool
 from engine.sequence import Sequence
 
+SLID_PAST = -1  # a table entry whose block every layer's window has left behind
+
 
 def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # the widest window, when every layer has one
+        self._num_slid: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -91,7 +106,21 @@ class KVCacheManager:
             table[start // bs] = private
         table.extend(self.pool.allocate(num_new_blocks))
         self._register_full_blocks(seq, table, end // bs)
+        self._release_slid_past(seq.seq_id, table, start)
         return True
+
+    def _release_slid_past(self, seq_id: str, table: list[int], first_query: int) -> None:
+        """Free the blocks before the window of the row at `first_query` (the earliest any
+        query of this step or a later one reaches back to)."""
+        if self.sliding_window is None:
+            return
+        unneeded = max(0, first_query - self.sliding_window + 1) // self.block_size
+        done = self._num_slid.get(seq_id, 0)
+        for i in range(done, unneeded):
+            if table[i] != SLID_PAST:  # a forked child's copy of a parent's table may have some
+                self.pool.release([table[i]])
+                table[i] = SLID_PAST
+        self._num_slid[seq_id] = max(done, unneeded)
 
     def _register_full_blocks(self, seq: Sequence, table: list[int], num_full: int) -> None:
         if not self.enable_caching:
@@ -108,8 +137,10 @@ class KVCacheManager:
         """Give `child` the parent's blocks (shared, ref counted); writes copy on demand."""
         table = list(self.tables[parent.seq_id])
         for block_id in table:
-            self.pool.take(block_id)
+            if block_id != SLID_PAST:
+                self.pool.take(block_id)
         self.tables[child.seq_id] = table
+        self._num_slid[child.seq_id] = self._num_slid.get(parent.seq_id, 0)
         num_prompt_blocks = child.num_prompt_tokens // self.block_size
         self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:num_prompt_blocks]
         self._num_registered[child.seq_id] = min(
@@ -118,7 +149,8 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, [])
-        self.pool.release(table[::-1])
+        self.pool.release([b for b in table[::-1] if b != SLID_PAST])
+        self._num_slid.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
 
@@ -130,5 +162,6 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         for table in self.tables.values():
             for block_id in table:
-                refs[block_id] = refs.get(block_id, 0) + 1
+                if block_id != SLID_PAST:
+                    refs[block_id] = refs.get(block_id, 0) + 1
         self.pool.check_consistency(refs)

@@ -76,7 +76,12 @@ class LLMEngine:
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
         )
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        windows = spec.info.sliding_windows
+        # Blocks can be freed behind the windows only when every layer has one.
+        slide = None if None in windows else max(w for w in windows if w is not None)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, config.cache.enable_prefix_caching, slide
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}

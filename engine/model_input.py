@@ -190,7 +190,9 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     max_blocks = max((len(s.block_table) for s in out.scheduled), default=0)
     tables = torch.zeros((len(out.scheduled), max(max_blocks, 1)), dtype=torch.int32)
     for i, s in enumerate(out.scheduled):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        # A slid-past entry (-1) is read by no backend; block 0 keeps every entry an index.
+        row = torch.tensor(s.block_table, dtype=torch.int32).clamp_(min=0)
+        tables[i, : len(s.block_table)] = row
     host = HostBatch(
         input_ids,
         positions,

@@ -30,12 +30,14 @@ from tests.prompts import cut_prompts, shared_prefix_prompts
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-ARCHITECTURES = {  # architecture -> tokenizer
-    "gemma2": "llama",
-    "gemma3": "qwen",
-    "phi3": "llama",
-    "mixtral": "llama",
-    "qwen3_moe": "qwen",
+ARCHITECTURES = {  # architecture -> (tokenizer, config overrides)
+    "gemma2": ("llama", {}),
+    "gemma3": ("qwen", {}),
+    "phi3": ("llama", {}),
+    "mixtral": ("llama", {}),
+    "qwen3_moe": ("qwen", {}),
+    # Every layer windowed: blocks behind the window go back to the pool.
+    "mistral": ("llama", {"sliding_window": 21}),
 }
 REGIMES = {
     "default": {},
@@ -59,7 +61,8 @@ def tie_router_rows(folder: Path) -> None:
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def arch_dir(request, tmp_path_factory) -> Path:
     arch = request.param
-    folder = build_random_model(tmp_path_factory.mktemp(arch), arch, ARCHITECTURES[arch])
+    tokenizer, overrides = ARCHITECTURES[arch]
+    folder = build_random_model(tmp_path_factory.mktemp(arch), arch, tokenizer, **overrides)
     if arch == "mixtral":
         tie_router_rows(folder)
     return folder
@@ -141,9 +144,38 @@ def test_windows_and_sharding_read_from_the_config(arch_dir: Path) -> None:
         "phi3": (27, 27),
         "mixtral": (None, None),
         "qwen3_moe": (None, None, None),
+        "mistral": (21, 21),
     }[cfg.model_type]
     assert info.sliding_windows == windows
     if dict(info.divisible).get("experts"):
         assert not info.graph_safe  # routing reads counts on the host
         with pytest.raises(ModelLoadError, match=r"does not divide .*the 4 experts"):
             check_shardable(info.divisible, info.num_kv_heads, 3)
+
+
+@pytest.mark.parametrize("arch_dir", ["mistral"], indirect=True)
+def test_a_model_windowed_in_every_layer_holds_only_its_window(arch_dir: Path) -> None:
+    """One request at a time in chunks of 16, blocks of 8, window 21: a request never holds
+    more than the blocks its window and one chunk span, where the longest prompt alone would
+    take 42 blocks, and the tokens still equal transformers'."""
+    prompts, want_tokens, want_logprobs = oracle(arch_dir, "varied")
+    held: list[int] = []
+    settings = {"max_num_seqs": 1, "max_num_batched_tokens": 16, "block_size": 8}
+    with LLM(str(arch_dir), max_model_len=384, num_kv_blocks=48, **settings) as llm:
+        kv = llm.engine.kv
+        allocate = kv.allocate_slots
+
+        def counted(seq, num_new, computed=None):
+            ok = allocate(seq, num_new, computed)
+            held.append(sum(1 for b in kv.block_table(seq) if b >= 0))
+            return ok
+
+        kv.allocate_slots = counted  # type: ignore[method-assign]
+        outputs = llm.generate(prompts, GREEDY)
+        assert kv.pool.num_free == kv.pool.num_blocks
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [
+        [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs
+    ]
+    check(tokens, logprobs, want_tokens, want_logprobs)
+    assert max(held) <= -(-(21 + 16) // 8) + 1

@@ -479,3 +479,38 @@ def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Pa
     assert cached_tokens == fresh_tokens
     for engine in (cached, fresh):
         assert engine.kv.pool.num_free == 32
+
+
+def test_blocks_behind_every_layers_window_go_back_to_the_pool() -> None:
+    """Window 10, blocks of 4: the step whose first query is at position p needs keys from
+    p - 9 on, so blocks wholly before that are released (and stay cached by their hash)."""
+    from engine.kv_cache_manager import SLID_PAST
+
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, sliding_window=10)
+    seq = make_sequence("a", list(range(40)))
+    assert kv.allocate_slots(seq, 12)  # prefill 0..11: nothing before position 0 - 9
+    assert kv.block_table(seq).count(SLID_PAST) == 0
+    seq.num_computed_tokens = 12
+    assert kv.allocate_slots(seq, 8)  # rows 12..19 reach back to 3: block 0 (0..3) is needed
+    assert kv.block_table(seq).count(SLID_PAST) == 0 and kv.pool.num_free == 11
+    seq.num_computed_tokens = 20
+    assert kv.allocate_slots(seq, 4)  # rows 20..23 reach back to 11: blocks 0, 1 (0..7) go
+    table = kv.block_table(seq)
+    assert table[:2] == [SLID_PAST, SLID_PAST] and SLID_PAST not in table[2:]
+    assert kv.pool.num_free == 16 - 4  # 6 blocks of the table, 2 released
+    kv.check_consistency()
+    # A new prompt with the same first 8 tokens still finds the released blocks by their hash.
+    other = make_sequence("b", list(range(9)))
+    assert len(kv.get_computed_blocks(other)) == 2
+    kv.free(seq)
+    assert kv.pool.num_free == 16
+    kv.check_consistency()
+
+
+def test_no_block_is_released_while_a_layer_attends_to_everything() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False, sliding_window=None)
+    seq = make_sequence("a", list(range(40)))
+    assert kv.allocate_slots(seq, 32)
+    seq.num_computed_tokens = 32
+    assert kv.allocate_slots(seq, 1)
+    assert min(kv.block_table(seq)) >= 0 and kv.pool.num_free == 16 - 9
