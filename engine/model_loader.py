@@ -125,9 +125,9 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield key, f.get_slice(key)
 
 
-def load_model(spec: ModelSpec, shard: Shard) -> CausalLM:
-    """This rank's shard of the model, its weights loaded, in eval mode."""
-    device = torch.device(spec.device)
+def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
+    """This rank's shard of the model on `device` (a rank's own GPU), weights loaded, in eval
+    mode."""
     with torch.device("meta"):
         model = model_class(spec.architecture)(spec.hf_config, shard)
     module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
@@ -141,7 +140,7 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
                 "freed CPU memory goes back to the kernel (%s): each step page-faults its activations",
                 why_not,
             )
-    model = load_model(spec if device == spec.device else replace(spec, device=device), shard)
+    model = load_model(spec, shard, torch.device(device))
     if not config.model.enforce_eager and model.pack_weights() and shard.rank == 0:
         log.info(
             "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
