@@ -117,7 +117,10 @@ def test_equals_transformers(arch_dir: Path, regime: str) -> None:
     prompts, want_tokens, want_logprobs = oracle(arch_dir, prompt_set)
     tokens, logprobs, stats = generate(arch_dir, prompts, **REGIMES[regime])
     check(tokens, logprobs, want_tokens, want_logprobs)
-    if regime == "preempt":
+    windowed_everywhere = None not in describe(load_hf_config(arch_dir)).sliding_windows
+    if regime == "preempt" and not windowed_everywhere:
+        # A model windowed in every layer gives its blocks back as it goes, so this pool is
+        # not short for it (the test below shows what it holds instead).
         assert stats.num_preemptions > 0
     if regime == "prefix_cache":
         assert stats.prefix_cache_hits > 0
