@@ -32,7 +32,7 @@ def update_text(seq: Sequence, text: SequenceText, token_id: int) -> None:
         text.text += (
             text.detokenizer.flush()
         )  # an incomplete character held back, as decode shows it
-    if not params.stop_strings or stopped_by_token:
+    if not params.stop_strings or stopped_by_token or seq.num_output_tokens < params.min_tokens:
         return
     # Only the new text, plus enough before it to catch a stop string spanning the boundary.
     longest = max(len(s) for s in params.stop_strings)

@@ -53,6 +53,14 @@ def apply_penalties(
         )
 
 
+def stop_ids(seq: Sequence, vocab_size: int) -> list[int]:
+    """The token ids that would end this sequence: its stop token ids and, unless ignored, EOS."""
+    ids = list(seq.params.stop_token_ids)
+    if seq.eos_token_id is not None and not seq.params.ignore_eos:
+        ids.append(seq.eos_token_id)
+    return [i for i in ids if 0 <= i < vocab_size]
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask (-inf) every token outside the support of min-p, then top-k, then top-p (on the
     distribution renormalized after top-k). The most likely token always survives."""
@@ -115,12 +123,15 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         params = seq.params
-        if params.logit_bias or params.uses_penalties:
+        too_early = seq.num_output_tokens < params.min_tokens
+        if params.logit_bias or params.uses_penalties or too_early:
             row = row.clone()
             if params.logit_bias:
                 apply_logit_bias(row, params.logit_bias)
             if params.uses_penalties:
                 apply_penalties(row, params, seq.prompt_token_ids, seq.output_token_ids)
+            if too_early:  # no token that would end the output before min_tokens
+                row[stop_ids(seq, row.shape[0])] = float("-inf")
         if params.greedy:
             return int(row.argmax())
         row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)

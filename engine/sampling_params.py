@@ -18,6 +18,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
+    # Tokens generated before EOS, a stop token id or a stop string may end the output.
+    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -71,6 +73,13 @@ class SamplingParams:
                 self.max_tokens is None or self.max_tokens >= 1,
                 "max_tokens",
                 f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (
+                self.min_tokens >= 0
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens} "
+                f"(max_tokens {self.max_tokens})",
             ),
             (
                 self.logprobs is None or self.logprobs >= 0,

@@ -32,6 +32,7 @@ def sampling_params(
         stop_token_ids=req.stop_token_ids or [],
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         presence_penalty=given(req.presence_penalty, 0.0),

@@ -450,6 +450,23 @@ def test_chat_ends_at_eos_with_stop(http: httpx.Client) -> None:
     assert finish_reasons(chunks) == {0: ("stop", None)}
 
 
+def test_min_tokens_keeps_the_chat_going_past_its_end_of_turn(http: httpx.Client) -> None:
+    """The yes/no answer ends after a few tokens; with min_tokens the end-of-turn token cannot
+    come before that many tokens, on both the plain and the streamed path."""
+    body: JSON = {"messages": YES_NO_CHAT, "max_tokens": 16, "temperature": 0}
+    short = post(http, "/v1/chat/completions", body)["usage"]["completion_tokens"]
+    assert short < 6
+    longer = {**body, "min_tokens": 6}
+    out = post(http, "/v1/chat/completions", longer)
+    assert out["usage"]["completion_tokens"] >= 6
+    chunks = sse_chunks(http, "/v1/chat/completions", longer)
+    assert joined_texts(chunks, chat=True) == {0: out["choices"][0]["message"]["content"]}
+
+    refused = http.post("/v1/chat/completions", json={**body, "min_tokens": 17})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "min_tokens"
+
+
 def test_chat_n_samples_stream(http: httpx.Client) -> None:
     body: JSON = {
         "messages": LONG_CHAT,

@@ -7,13 +7,14 @@ The output processor is driven the way LLMEngine.step drives it, with chosen "sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.output_processor import check_stop, make_output, update_text
 from engine.outputs import CompletionOutput
@@ -275,3 +276,45 @@ def test_end_to_end_stop_string(llm: LLM) -> None:
         assert out.token_ids == first.token_ids[: len(out.token_ids)]
         assert stop in llm.tokenizer.decode(out.token_ids)
         assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids(llm: LLM) -> None:
+    """A logit bias makes EOS (then a stop token id) the greedy choice at every step: without
+    min_tokens the output ends at once; with it, exactly min_tokens other tokens come first."""
+    eos = llm.engine.tokenizer.eos_token_id
+    prompt = "Hello, my name is"
+    forced = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={eos: 100.0})
+    out = llm.generate(prompt, forced)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([eos], "stop")
+    out = llm.generate(prompt, replace(forced, min_tokens=4))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:4]
+    assert out.finish_reason == "stop"
+
+    stop_id = out.token_ids[0]  # any token: biased up and listed as a stop token id
+    by_id = SamplingParams(
+        temperature=0.0, max_tokens=12, logit_bias={stop_id: 100.0}, stop_token_ids=[stop_id]
+    )
+    out = llm.generate(prompt, by_id)[0].outputs[0]
+    assert (out.token_ids, out.stop_reason) == ([stop_id], stop_id)
+    out = llm.generate(prompt, replace(by_id, min_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == stop_id
+    assert stop_id not in out.token_ids[:3]
+
+
+def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:
+    """A stop string that completes within the first min_tokens tokens is not a stop; the first
+    one completed after them is."""
+    prompt = "Hello, my name is"
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = llm.generate(prompt, greedy)[0].outputs[0]
+    stop = llm.engine.tokenizer.decode(first.token_ids[:1])
+    params = replace(greedy, stop=stop)
+    assert len(llm.generate(prompt, params)[0].outputs[0].token_ids) == 1
+    out = llm.generate(prompt, replace(params, min_tokens=24))[0].outputs[0]
+    assert out.token_ids == first.token_ids and out.finish_reason == "length"
+
+
+def test_min_tokens_above_max_tokens_is_refused() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert info.value.param == "min_tokens"
