@@ -90,7 +90,7 @@ def download_model(
     index = folder / WEIGHT_INDEX
     if index.is_file():
         # A sharded checkpoint: exactly its shards (a repo may also ship a consolidated copy).
-        shards = _index_shards(index)
+        shards = index_shards(index)
         folder = _snapshot(repo_id, commit, download_dir, shards)
         missing = [name for name in shards if not (folder / name).is_file()]
         if missing:
@@ -173,7 +173,8 @@ def _unknown_to_transformers(config: dict[str, Any]) -> str:
     return ""
 
 
-def _index_shards(index: Path) -> list[str]:
+def index_shards(index: Path) -> list[str]:
+    """The shard files a sharded checkpoint's weight index names, sorted, each once."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return sorted({str(name) for name in weight_map.values()})

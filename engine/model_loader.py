@@ -3,7 +3,6 @@ the model class its architecture names."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
-from engine.hub import download_model, is_repo_id
+from engine.hub import WEIGHT_INDEX, download_model, index_shards, is_repo_id
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import CheckpointTensor
 from engine.models.registry import model_class, resolve_architecture
@@ -112,9 +111,9 @@ def resolve_dtype(
 def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as a lazy
     slice: a tensor-parallel rank reads only the part it indexes."""
-    index = path / "model.safetensors.index.json"
+    index = path / WEIGHT_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = index_shards(index)
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:

@@ -7,14 +7,16 @@ blocks. A column-parallel layer may fuse several checkpoint tensors (q/k/v, gate
 `Part` that says which of its rows this rank keeps and where they go. With one rank every
 slice is the whole tensor and every collective is the identity.
 
-Every layer that loads more than a whole tensor has `load(param, source, part)` and
-`parts(param)`; `engine.models.loading` finds them by parameter name.
+Every layer that loads more than a whole tensor has `load(param, source, part)`, and a layer
+fused from several checkpoint tensors also `parts(param)`; `engine.models.loading` finds them
+by parameter name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Protocol
 
 import torch
@@ -73,9 +75,7 @@ class ColumnParallelLinear(PackableLinear):
     def __init__(self, in_features: int, parts: Sequence[Part], bias: bool) -> None:
         super().__init__(in_features, sum(p.count for p in parts), bias)
         self.part_list = tuple(parts)
-        starts = [0]
-        for p in parts[:-1]:
-            starts.append(starts[-1] + p.count)
+        starts = accumulate((p.count for p in parts), initial=0)  # each part's first row here
         self.starts = dict(zip((p.name for p in parts), starts))
 
     def parts(self, param: str) -> list[str | None]:
@@ -106,9 +106,6 @@ class RowParallelLinear(PackableLinear):
         super().__init__(in_count, out_features, bias)
         self.shard, self.in_first = shard, in_first
 
-    def parts(self, param: str) -> list[str | None]:
-        return [None]
-
     def load(self, param: str, source: CheckpointTensor, part: str | None) -> list[str | None]:
         target = getattr(self, param)
         if param == "weight":
@@ -135,9 +132,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.rows = shard.split_padded(vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
 
-    def parts(self, param: str) -> list[str | None]:
-        return [None]
-
     def load(self, param: str, source: CheckpointTensor, part: str | None) -> list[str | None]:
         load_vocab_rows(self.weight, source, self.vocab_start, self.vocab_size)
         return [None]
@@ -160,9 +154,6 @@ class ParallelLMHead(PackableLinear):
     def __init__(self, hidden_size: int, embedding: VocabParallelEmbedding) -> None:
         super().__init__(hidden_size, embedding.rows, bias=False)
         self.vocab_start, self.vocab_size = embedding.vocab_start, embedding.vocab_size
-
-    def parts(self, param: str) -> list[str | None]:
-        return [None]
 
     def load(self, param: str, source: CheckpointTensor, part: str | None) -> list[str | None]:
         assert self.weight is not None
