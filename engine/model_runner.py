@@ -42,11 +42,9 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.spec = spec
-        self.block_size = spec.block_size
-        self.max_model_len = spec.max_model_len
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = use_cuda_graphs
-        self.device, self.dtype = device, spec.dtype
+        self.device = device  # a tensor-parallel rank's own GPU, not always spec.device
         self.upload = PinnedUpload(self.device)
         model.init_rotary(spec.max_model_len)
         self.graphs: DecodeGraphs | None = None
@@ -56,11 +54,11 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = []  # the old pool goes before the new one is made
         info = self.spec.info
-        shape = (num_blocks, self.block_size, self.spec.kv_heads_per_rank, info.head_dim)
+        shape = (num_blocks, self.spec.block_size, self.spec.kv_heads_per_rank, info.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
             )
             for _ in range(info.num_layers)
         ]
@@ -75,8 +73,8 @@ class ModelRunner:
             log.info(
                 "KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s",
                 num_blocks,
-                self.block_size,
-                num_blocks * self.block_size,
+                self.spec.block_size,
+                num_blocks * self.spec.block_size,
                 gib,
                 per_rank,
             )
@@ -88,7 +86,7 @@ class ModelRunner:
                 self.backend,
                 self.kv_caches,
                 self.max_num_seqs,
-                -(-self.max_model_len // self.block_size),
+                -(-self.spec.max_model_len // self.spec.block_size),
                 capture=True,
             )
             if shard.rank == 0:
