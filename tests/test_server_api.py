@@ -467,6 +467,30 @@ def test_min_tokens_keeps_the_chat_going_past_its_end_of_turn(http: httpx.Client
     assert refused.json()["error"]["param"] == "min_tokens"
 
 
+def test_min_tokens_through_the_openai_sdk(client: openai.OpenAI) -> None:
+    """As SDK users send it: a vLLM field in extra_body, plain and streamed."""
+    kwargs: dict[str, Any] = {
+        "model": client.models.list().data[0].id,
+        "messages": YES_NO_CHAT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "extra_body": {"min_tokens": 6},
+    }
+    out = client.chat.completions.create(**kwargs)
+    assert out.usage is not None and out.usage.completion_tokens >= 6
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**{**kwargs, "extra_body": {"min_tokens": 17}})
+    assert info.value.body["param"] == "min_tokens"  # type: ignore[index]
+
+
 def test_chat_n_samples_stream(http: httpx.Client) -> None:
     body: JSON = {
         "messages": LONG_CHAT,
