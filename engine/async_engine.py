@@ -6,9 +6,9 @@ top of every iteration; each request's outputs come back to that request's own a
 through `loop.call_soon_threadsafe`, so the event loop never waits on the model.
 
 What a frontend may use is this class's client surface, all safe on the event loop: `info`
-(frozen: names, limits, KV pool size, a tokenizer of the frontend's own), `validate`, `generate`,
-`abort`, `on_stats`, and the lifecycle (`start`, `is_alive`, `dead_reason`, `shutdown`). `engine`
-belongs to the engine thread.
+(frozen: names, limits, KV pool size, a tokenizer of the frontend's own), `validate`,
+`compile_grammar`, `generate`, `abort`, `on_stats`, and the lifecycle (`start`, `is_alive`,
+`dead_reason`, `shutdown`). `engine` belongs to the engine thread.
 """
 
 from __future__ import annotations
@@ -152,6 +152,13 @@ class AsyncEngine:
         """Raise InvalidRequestError for what the engine would refuse: call before generate(),
         so that bad input is a 400 before it is queued."""
         self.info.validate(prompt_ids, params)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured output constraint, if any, on a worker thread (it
+        can take a second for a large schema), so that a bad one is a 400 before queueing and
+        the engine thread finds it compiled."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a no-op for one that finished or is unknown); its generate() ends

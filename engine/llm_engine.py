@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats, FinishedRequest
+from engine.structured import GrammarCompiler, GrammarState
 from engine.tokenization import encode
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class LLMEngine:
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
         # The tokenizer is read here, where it is used: tensor-parallel workers never need it.
         self.tokenizer = load_tokenizer(spec.tokenizer_path)
+        # Thread-safe: the server compiles a request's grammar here before queueing it.
+        self.grammars = GrammarCompiler(
+            spec.tokenizer_path, spec.vocab_size, self.tokenizer.eos_token_id
+        )
         multi_rank = spec.tensor_parallel_size > 1
         executor = TensorParallelExecutor if multi_rank else LocalExecutor
         self.executor: LocalExecutor | TensorParallelExecutor = executor(config, spec)
@@ -115,6 +120,8 @@ class LLMEngine:
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(prompt_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
+        structured = params.structured_outputs
+        grammar = self.grammars.compile(structured) if structured is not None else None
         sequences = []
         for i in range(params.n):
             generator = None
@@ -131,6 +138,7 @@ class LLMEngine:
                     eos_token_id=self.tokenizer.eos_token_id,
                     generator=generator,
                     status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
+                    grammar=None if structured is None else GrammarState(grammar, structured),
                 )
             )
         sequences[0].forks = sequences[1:]
@@ -215,6 +223,8 @@ class LLMEngine:
             if seq.logprobs is not None and sample.logprobs is not None:
                 seq.logprobs.append(sample.logprobs)
             check_stop(seq, sample.token_id, self.max_model_len)
+            if seq.grammar is not None and seq.grammar.accept(sample.token_id):
+                seq.finish_reason = seq.finish_reason or "stop"  # the grammar is complete
             request = self.requests[seq.request_id]
             update_text(seq, request.texts[seq.index], sample.token_id)
             if seq.finish_reason is not None:

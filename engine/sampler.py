@@ -1,7 +1,8 @@
-"""Turn logits into tokens: logit bias and penalties, then greedy or filtered random sampling.
+"""Turn logits into tokens: grammar masks, logit bias and penalties, then greedy or filtered
+random sampling.
 
-Logprobs are those of the model's raw distribution (log_softmax of the logits before bias,
-penalties and temperature), as OpenAI and vLLM report them.
+Logprobs are those of the model's raw distribution (log_softmax of the logits before grammar
+masks, bias, penalties and temperature), as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured import apply_grammar_masks
 
 
 @dataclass
@@ -108,10 +110,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
-        """One token per row; row i belongs to seqs[i]."""
+        """One token per row; row i belongs to seqs[i]. Rows under a grammar are masked in
+        place (`logits` is the step's own stack of rows)."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        apply_grammar_masks(logits, [seq.grammar for seq in seqs])
         samples = []
         for i, seq in enumerate(seqs):
             token = self._sample_row(logits[i], seq)
@@ -131,7 +135,11 @@ class Sampler:
             if params.uses_penalties:
                 apply_penalties(row, params, seq.prompt_token_ids, seq.output_token_ids)
             if too_early:  # no token that would end the output before min_tokens
-                row[stop_ids(seq, row.shape[0])] = float("-inf")
+                ids = stop_ids(seq, row.shape[0])
+                kept = row[ids]
+                row[ids] = float("-inf")
+                if not bool(row.isfinite().any()):
+                    row[ids] = kept  # a finished grammar allows only its end: the grammar wins
         if params.greedy:
             return int(row.argmax())
         row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
 
 _INT64 = 2**63
 
@@ -31,6 +32,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # A JSON schema, regex, choice or grammar the output must follow.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

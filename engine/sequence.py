@@ -13,6 +13,7 @@ import torch
 
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +41,7 @@ class Sequence:
     last_token_time: float | None = None  # when this sample's latest token was sampled
     generator: torch.Generator | None = None
     forks: list[Sequence] = field(default_factory=list)
+    grammar: GrammarState | None = None  # where a structured output has got to
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None

@@ -1,0 +1,101 @@
+"""Grammars compiled once per source and kept: xgrammar turns a schema, regex or EBNF into a
+matcher-ready grammar against this model's vocabulary. Safe to call from any thread, so the
+server compiles (and refuses a bad schema with a 400) off the engine thread, before queueing;
+the engine's own call then finds the grammar in the cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+# xgrammar's errors begin with a log prefix ("[21:50:53] /project/cpp/x.cc:83: "): drop it.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _message(exc: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(exc).strip()).split("\n")[0]
+
+
+def choice_grammar(choice: tuple[str, ...]) -> str:
+    """EBNF accepting exactly one of the strings. JSON string escapes (\\" \\\\ \\n \\uXXXX)
+    are also EBNF's; non-ASCII text stays as it is."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer_path: Path, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
+        self.eos_token_id = eos_token_id
+        self.cache_size = 256
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+
+    def _xgrammar(self) -> Any:
+        """The vocabulary is read on first use (0.1-0.5 s), from a tokenizer of its own: the
+        engine's is busy detokenizing on another thread, and most servers never see a grammar."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from engine.model_loader import load_tokenizer
+
+                started = time.perf_counter()
+                tokenizer = load_tokenizer(self.tokenizer_path)
+                stop = [self.eos_token_id] if self.eos_token_id is not None else None
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                log.info("grammar vocabulary read in %.2f s", time.perf_counter() - started)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar (an `xgrammar.CompiledGrammar`), from the cache when it is there;
+        InvalidRequestError for a schema, regex or grammar that does not compile."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiler = self._xgrammar()
+        started = time.perf_counter()
+        try:
+            if params.json is not None:
+                # Compact JSON (no free whitespace): a small model may otherwise emit spaces and
+                # newlines until max_tokens runs out.
+                grammar = compiler.compile_json_schema(params.json, any_whitespace=False)
+            elif params.json_object:
+                # Any object (OpenAI's JSON mode), with any members: not strict.
+                grammar = compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
+            elif params.regex is not None:
+                grammar = compiler.compile_regex(params.regex)
+            elif params.choice is not None:
+                grammar = compiler.compile_grammar(choice_grammar(params.choice))
+            else:
+                grammar = compiler.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError) as exc:
+            kind = key[0].replace("_", " ")
+            raise InvalidRequestError(
+                f"the {kind} constraint does not compile: {_message(exc)}", "structured_outputs"
+            ) from None
+        log.debug("compiled a %s grammar in %.3f s", key[0], time.perf_counter() - started)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
