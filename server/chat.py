@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput
 from engine.outputs import CompletionOutput
-from server.inputs import chat_messages, engine_params, render_chat
+from server.inputs import chat_messages, compile_constraint, engine_params, render_chat
 from server.logprobs import chat_logprobs
 from server.protocol import (
     AssistantMessage,
@@ -34,6 +34,7 @@ async def create_chat_completion(
 ) -> ChatCompletion | StreamingResponse:
     model = state.resolve_model(req.model)
     req.check()
+    constraint = req.constraint()
     messages = chat_messages(req.messages)
     prompt_ids = await state.off_loop(
         render_chat, state.tokenizer, messages, req.add_generation_prompt
@@ -42,7 +43,9 @@ async def create_chat_completion(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = engine_params(state, req, prompt_ids, requested, "messages", top_n)
+    structured, constraint_param = constraint if constraint else (None, "")
+    params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
+    await compile_constraint(state, params, constraint_param)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = state.generate(request, prompt_ids, params, response_id, prompt_ids)

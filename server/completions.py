@@ -16,7 +16,7 @@ from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
 from engine.tokenization import decode, encode
 from server.errors import invalid
-from server.inputs import engine_params
+from server.inputs import compile_constraint, engine_params
 from server.logprobs import add_completion_logprobs
 from server.protocol import (
     Completion,
@@ -58,6 +58,7 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
         else:
             prompts.append(_Prompt(None, list(item)))
     logprobs = req.logprobs
+    structured, constraint_param = req.constraint() or (None, "")
     for p in prompts:
         p.params = engine_params(
             state,
@@ -67,7 +68,9 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
             "prompt",
             logprobs,
             prompt_logprobs=logprobs if req.echo else None,
+            structured=structured,
         )
+    await compile_constraint(state, prompts[0].params, constraint_param)
     return prompts
 
 

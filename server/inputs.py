@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from config import ServerConfig
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams
+from engine.structured import StructuredOutputsParams
 from engine.tokenization import encode_chat
 from server.errors import invalid
 from server.protocol import ChatMessage, SamplingFields
@@ -13,7 +14,11 @@ from server.state import ServerState
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """OpenAI's defaults where the request is silent (temperature 1, top_p 1, no penalties)."""
 
@@ -41,6 +46,7 @@ def sampling_params(
         # JSON keys are strings; SamplingParams turns them into token ids (or refuses them).
         logit_bias=req.logit_bias,  # type: ignore[arg-type]
         skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured,
     )
 
 
@@ -98,6 +104,7 @@ def engine_params(
     prompt_param: str,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """One prompt's SamplingParams, or a 400 before anything is queued: the server's limits, the
     completion budget (`requested` max tokens), then the engine's own checks."""
@@ -106,9 +113,18 @@ def engine_params(
     max_tokens = resolve_max_tokens(
         requested, len(prompt_ids), state.max_model_len, prompt_param, config.max_output_tokens
     )
-    params = sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+    params = sampling_params(req, max_tokens, logprobs, prompt_logprobs, structured)
     state.engine.validate(prompt_ids, params)
     return params
+
+
+async def compile_constraint(state: ServerState, params: SamplingParams, param: str) -> None:
+    """The request's grammar compiled (and cached) off the event loop and the engine thread; a
+    schema, regex or grammar that does not compile is a 400 naming `param`."""
+    try:
+        await state.engine.compile_grammar(params)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), param) from None
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -1,18 +1,20 @@
 """OpenAI request and response bodies (pydantic), with OpenAI's parameter ranges.
 
 Shapes follow the openai-python types; the extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, ...) are vLLM's. Unknown top-level fields are accepted and
-ignored, as vLLM does, except the ones whose silent loss would change the answer (tools,
-structured output, suffix): those are refused.
+`repetition_penalty`, `ignore_eos`, `guided_*`, `structured_outputs`, ...) are vLLM's. Unknown
+top-level fields are accepted and ignored, as vLLM does, except the ones whose silent loss would
+change the answer (tools, suffix): those are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from engine import InvalidRequestError, RequestOutput
+from engine.structured import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -59,6 +61,28 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -82,6 +106,66 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their successor.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The one structured output constraint the request gives, with the field that gave it."""
+        given: list[tuple[StructuredOutputsParams, str]] = []
+
+        def add(param: str, make: Callable[[], StructuredOutputsParams]) -> None:
+            try:
+                given.append((make(), param))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc), param) from None
+
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            add("response_format", lambda: StructuredOutputsParams(json_object=True))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            if schema is None:
+                raise InvalidRequestError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            add("response_format", lambda: StructuredOutputsParams.json_schema(schema))
+        if self.guided_json is not None:
+            guided_json = self.guided_json
+            add("guided_json", lambda: StructuredOutputsParams.json_schema(guided_json))
+        if self.guided_regex is not None:
+            add("guided_regex", lambda: StructuredOutputsParams(regex=self.guided_regex))
+        if self.guided_choice is not None:
+            choice = tuple(self.guided_choice)
+            add("guided_choice", lambda: StructuredOutputsParams(choice=choice))
+        if self.guided_grammar is not None:
+            add("guided_grammar", lambda: StructuredOutputsParams(grammar=self.guided_grammar))
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                so_json = so.json_
+                add("structured_outputs", lambda: StructuredOutputsParams.json_schema(so_json))
+            else:
+                add(
+                    "structured_outputs",
+                    lambda: StructuredOutputsParams(
+                        json_object=bool(so.json_object),
+                        regex=so.regex,
+                        choice=None if so.choice is None else tuple(so.choice),
+                        grammar=so.grammar,
+                    ),
+                )
+        if len(given) > 1:
+            names = ", ".join(param for _, param in given)
+            raise InvalidRequestError(
+                f"give only one structured output constraint, not {names}", given[1][1]
+            )
+        return given[0] if given else None
 
     @property
     def include_usage(self) -> bool:
@@ -96,11 +180,6 @@ class SamplingFields(_Request):
         for name in ("tools", "functions", "suffix"):
             if getattr(self, name, None):
                 raise InvalidRequestError(f"{name} is not supported by this server", name)
-        response_format = getattr(self, "response_format", None)
-        if response_format is not None and response_format != {"type": "text"}:
-            raise InvalidRequestError(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
 
 
 class CompletionRequest(SamplingFields):

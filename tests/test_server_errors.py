@@ -321,11 +321,11 @@ EMPTY_AND_TOKENS = [
         ("image_url",),
     ),
     Bad(
-        "response_format-json",
+        "response_format-json-schema-without-schema",
         CHAT,
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         "response_format",
-        ("text",),
+        ("json_schema.schema",),
     ),
     Bad("suffix", COMPLETIONS, {"suffix": "end"}, "suffix", ("suffix",)),
 ]
