@@ -1,0 +1,57 @@
+"""Parsers of what a model writes: tool calls, read from the output text.
+
+Names are vLLM's `--tool-call-parser` values. Each parser class has a
+whole-output `extract(text)` classmethod, and an instance is a streaming parser for one output:
+`feed(delta)` and then `finish()` return events. They read text only: the server decodes the
+tokens (keeping special tokens where a format's marker is one) and maps events to its response.
+"""
+
+from __future__ import annotations
+
+from server.parsers.hermes import HermesToolParser
+from server.parsers.llama3_json import Llama3JsonToolParser
+from server.parsers.mistral import MistralToolParser
+from server.parsers.tool_parser import ToolCallParser
+from server.parsers.types import (
+    ContentDelta,
+    ExtractedToolCalls,
+    ToolCall,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolParserEvent,
+    new_call_id,
+)
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+# For the CLI flag's choices.
+TOOL_CALL_PARSER_NAMES: tuple[str, ...] = tuple(sorted(TOOL_CALL_PARSERS))
+
+
+def tool_call_parser_for(name: str) -> type[ToolCallParser]:
+    """The tool-call parser class named `name`; ValueError listing the names otherwise."""
+    try:
+        return TOOL_CALL_PARSERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown tool call parser {name!r}; choose one of {', '.join(TOOL_CALL_PARSER_NAMES)}"
+        ) from None
+
+
+__all__ = [
+    "TOOL_CALL_PARSERS",
+    "TOOL_CALL_PARSER_NAMES",
+    "ContentDelta",
+    "ExtractedToolCalls",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "ToolCall",
+    "ToolCallArgumentsDelta",
+    "ToolCallParser",
+    "ToolCallStart",
+    "ToolParserEvent",
+    "new_call_id",
+    "tool_call_parser_for",
+]
