@@ -1,4 +1,4 @@
-"""Tool-call parsers (server/parsers): whole outputs against expected splits, and
+"""Tool-call and reasoning parsers (server/parsers): whole outputs against expected splits, and
 streaming against whole outputs at every split point and in random chunkings.
 
 The Hermes/Qwen texts are rendered by the real Qwen3 chat template (the format the model was
@@ -16,16 +16,22 @@ from typing import Any
 import pytest
 
 from server.parsers import (
+    REASONING_PARSER_NAMES,
     TOOL_CALL_PARSER_NAMES,
     ContentDelta,
+    DeepSeekR1ReasoningParser,
     ExtractedToolCalls,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    Qwen3ReasoningParser,
+    ReasoningDelta,
+    ReasoningParser,
     ToolCall,
     ToolCallArgumentsDelta,
     ToolCallParser,
     ToolCallStart,
+    reasoning_parser_for,
     tool_call_parser_for,
 )
 from server.parsers.holdback import partial_marker_len
@@ -489,3 +495,137 @@ def test_parsers_do_not_share_state() -> None:
     a, b = HermesToolParser(), HermesToolParser()
     a.feed("<tool_call>")
     assert content_of(b.feed("plain") + b.finish()) == "plain"
+
+
+# --- Reasoning ------------------------------------------------------------------------------
+
+REASONING_CASES: list[tuple[str, tuple[str | None, str | None], tuple[str | None, str | None]]] = [
+    # (text, qwen3 (reasoning, content), deepseek_r1 (reasoning, content))
+    (
+        "<think>\nThe user asks 2+2.\n</think>\n\nThe answer is 4.",
+        ("\nThe user asks 2+2.\n", "\n\nThe answer is 4."),
+        ("\nThe user asks 2+2.\n", "\n\nThe answer is 4."),
+    ),
+    # <think> was in the prompt (DeepSeek-R1's template): only </think> in the output.
+    (
+        "The user asks 2+2.\n</think>\n\n4",
+        (None, "The user asks 2+2.\n</think>\n\n4"),
+        ("The user asks 2+2.\n", "\n\n4"),
+    ),
+    # Cut off while thinking.
+    ("<think>\nHmm, let me", ("\nHmm, let me", None), ("\nHmm, let me", None)),
+    ("<think>\nHmm </thi", ("\nHmm </thi", None), ("\nHmm </thi", None)),
+    # No tags: thinking disabled (qwen3) or cut off while thinking (deepseek_r1).
+    ("Just the answer.", (None, "Just the answer."), ("Just the answer.", None)),
+    ("", (None, None), (None, None)),
+    ("<think>\n\n</think>\n\nHi", ("\n\n", "\n\nHi"), ("\n\n", "\n\nHi")),
+    ("<think></think>Hi", (None, "Hi"), (None, "Hi")),
+    ("<think>why</think>", ("why", None), ("why", None)),
+    # Only the first </think> ends the reasoning; only a leading <think> opens it.
+    ("<think>a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),
+    ("About <think> tags.", (None, "About <think> tags."), ("About <think> tags.", None)),
+    ("a</think>b", (None, "a</think>b"), ("a", "b")),
+    ("<thi", (None, "<thi"), ("<thi", None)),
+    ("<thinking>x", (None, "<thinking>x"), ("<thinking>x", None)),
+    ("<think><think>x</think>", ("<think>x", None), ("<think>x", None)),
+    ("<think>Zürich 東京 🌧️</think>天気", ("Zürich 東京 🌧️", "天気"), ("Zürich 東京 🌧️", "天気")),
+]
+
+
+@pytest.mark.parametrize("text, qwen3, deepseek_r1", REASONING_CASES)
+def test_reasoning_extract(text: str, qwen3: tuple, deepseek_r1: tuple) -> None:
+    assert Qwen3ReasoningParser.extract(text) == qwen3
+    assert DeepSeekR1ReasoningParser.extract(text) == deepseek_r1
+    for parser in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser):
+        assert_reasoning_streams_like_whole(parser, text)
+
+
+def stream_reasoning(parser_cls: type[ReasoningParser], pieces: list[str]) -> tuple:
+    parser = parser_cls()
+    events = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    kinds = [type(e) for e in events]
+    assert all(e.text for e in events)
+    # Reasoning, then content: never back.
+    assert kinds == sorted(kinds, key=lambda k: k is ContentDelta)
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    return reasoning or None, content or None
+
+
+def assert_reasoning_streams_like_whole(parser_cls: type[ReasoningParser], text: str) -> None:
+    whole = parser_cls.extract(text)
+    for pieces in chunkings(text):
+        assert stream_reasoning(parser_cls, pieces) == whole, pieces
+
+
+def test_reasoning_holds_back_partial_tags() -> None:
+    p = Qwen3ReasoningParser()
+    assert p.feed("<thi") == []
+    assert p.feed("nk>\nStep one") == [ReasoningDelta("\nStep one")]
+    assert p.feed(".</th") == [ReasoningDelta(".")]
+    assert p.feed("ink>\n\nAnswer") == [ContentDelta("\n\nAnswer")]
+    assert p.finish() == []
+    p = Qwen3ReasoningParser()
+    assert p.feed("<tho") == [ContentDelta("<tho")]  # not the tag: thinking disabled
+    p = DeepSeekR1ReasoningParser()
+    assert p.feed("Step </think") == [ReasoningDelta("Step ")]
+    assert p.finish() == [ReasoningDelta("</think")]
+
+
+def test_qwen3_prompt_without_thinking_gives_content() -> None:
+    """enable_thinking=False: the template closes an empty think block in the prompt, so the
+    model writes no tag and the qwen3 parser reads all of it as content."""
+    prompt = _qwen_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    assert Qwen3ReasoningParser.extract("Hello! How can I help?") == (
+        None,
+        "Hello! How can I help?",
+    )
+
+
+def test_reasoning_parsers_expose_their_tags() -> None:
+    """The server looks the end tag up in the vocabulary to find the end-of-reasoning token."""
+    vocab = _qwen_tokenizer().get_vocab()
+    for name in REASONING_PARSER_NAMES:
+        parser = reasoning_parser_for(name)
+        assert (parser.start, parser.end) == ("<think>", "</think>")
+        assert parser.start in vocab and parser.end in vocab
+
+
+def test_reasoning_registry() -> None:
+    assert REASONING_PARSER_NAMES == ("deepseek_r1", "qwen3")
+    assert reasoning_parser_for("qwen3") is Qwen3ReasoningParser
+    assert reasoning_parser_for("deepseek_r1") is DeepSeekR1ReasoningParser
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        reasoning_parser_for("granite")
+
+
+def test_reasoning_finish_twice_is_an_error() -> None:
+    p = Qwen3ReasoningParser()
+    p.finish()
+    with pytest.raises(RuntimeError):
+        p.finish()
+    with pytest.raises(RuntimeError):
+        p.feed("x")
+
+
+@pytest.mark.parametrize("content, tool_calls", QWEN_CASES)
+def test_qwen3_reasoning_then_hermes_on_template_output(content: str, tool_calls: list) -> None:
+    """The chat route's pipeline: the reasoning parser first, the tool parser on its content."""
+    turn = qwen_turn(content, tool_calls, reasoning="The user wants the weather.\nCall the tool.")
+    reasoning, answer = Qwen3ReasoningParser.extract(turn)
+    assert reasoning == "\nThe user wants the weather.\nCall the tool.\n"
+    assert answer is not None
+    result = HermesToolParser.extract(answer)
+    assert result.calls == calls(*tool_calls)
+    assert result.content == ("\n\n" + content + "\n" if content else None)
+    assert_streams_like_whole(HermesToolParser, answer)
+    assert_reasoning_streams_like_whole(Qwen3ReasoningParser, turn)

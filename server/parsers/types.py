@@ -41,6 +41,13 @@ class ContentDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    """Reasoning text (`delta.reasoning_content`)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallStart:
     """The first event of a call: `delta.tool_calls[{index, id, type: "function",
     function: {name, arguments: ""}}]`."""
@@ -60,3 +67,4 @@ class ToolCallArgumentsDelta:
 
 
 ToolParserEvent = ContentDelta | ToolCallStart | ToolCallArgumentsDelta
+ReasoningEvent = ReasoningDelta | ContentDelta
