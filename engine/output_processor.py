@@ -89,4 +89,6 @@ def make_output(request: Request) -> RequestOutput:
         prompt_logprobs=list(request.sequences[0].prompt_logprobs)
         if request.sequences[0].prompt_logprobs is not None
         else None,
+        # The prompt is cached once, by the sample that runs it; its siblings fork from it.
+        num_cached_tokens=request.sequences[0].num_cached_tokens,
     )

@@ -34,3 +34,6 @@ class RequestOutput:
     finished: bool
     # prompt_logprobs[0] is None: the first prompt token has no context to be predicted from.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Prompt tokens the prefix cache served at the request's first admission (a recompute
+    # after a preemption does not change it): what the client is billed as cached.
+    num_cached_tokens: int = 0

@@ -233,19 +233,29 @@ class DetokenizeRequest(_Request):
 # --------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache, not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
     def of(cls, outputs: list[RequestOutput]) -> Usage:
-        """A prompt counts once however many samples it has, as OpenAI counts it."""
+        """A prompt counts once however many samples it has, as OpenAI counts it; so do its
+        cached tokens."""
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         total = prompt_tokens + completion_tokens
+        cached = sum(out.num_cached_tokens for out in outputs)
         return cls(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 

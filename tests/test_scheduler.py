@@ -361,3 +361,24 @@ def test_prefix_cache_hits_are_counted_and_skip_computation() -> None:
         8,
     )
     sim.run_to_completion()
+
+
+def test_a_recompute_after_preemption_keeps_the_cache_hit_of_the_first_admission() -> None:
+    """`num_cached_tokens` is what usage reports as cached: the hit when the request was first
+    admitted. Readmitted after a preemption, the request finds its own first block in the cache;
+    that recompute must not overwrite the count (nor be counted as a new query)."""
+    sim = Sim(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=4)
+    sim.add("a", [1, 2, 3, 4], max_tokens=8)
+    b = sim.add("b", [5, 6, 7, 8], max_tokens=8)
+    while not b.num_preemptions:
+        sim.step()
+    assert b.num_cached_tokens == 0 and b.num_tokens == 7
+    queries = sim.sched.counters.prefix_cache_queries
+
+    while b.status == SequenceStatus.WAITING:
+        out = sim.step()
+    # Its first block (its whole prompt, 4 tokens) came back from the cache this time.
+    assert scheduled(out)[-1] == ("b", 3)
+    assert b.num_cached_tokens == 0
+    assert sim.sched.counters.prefix_cache_queries == queries
+    sim.run_to_completion()
