@@ -27,6 +27,7 @@ from server.protocol import (
 )
 from server.state import ServerState
 from server.streaming import event_stream, sse, until_disconnected
+from server.usage import RunningUsage
 
 
 async def create_chat_completion(
@@ -57,7 +58,9 @@ async def create_chat_completion(
         return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
 
     if req.stream:
-        return event_stream(_stream(req, stream, response_id, created, model, logprobs_of))
+        return event_stream(
+            _stream(req, prompt_ids, stream, response_id, created, model, logprobs_of)
+        )
 
     async def collect() -> RequestOutput:
         final = None
@@ -87,6 +90,7 @@ LogprobsOf = Callable[[CompletionOutput, list[int], int], ChatLogprobs | None]
 
 async def _stream(
     req: ChatCompletionRequest,
+    prompt_ids: list[int],
     stream: AsyncIterator[RequestOutput],
     response_id: str,
     created: int,
@@ -94,6 +98,7 @@ async def _stream(
     logprobs_of: LogprobsOf,
 ) -> AsyncGenerator[str, None]:
     exclude = None if req.include_usage else {"usage"}
+    running = RunningUsage(len(prompt_ids), 1) if req.continuous_usage else None
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(
@@ -107,10 +112,13 @@ async def _stream(
     sent_tokens = [0] * req.n
     # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
     for i in range(req.n):
-        yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        role = ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+        yield chunk([role], running.now() if running else None)
     final = None
     async for output in stream:
         final = output
+        if running:
+            running.saw(0, output)
         for c in output.outputs:
             if c.index in finished:
                 continue  # a sibling's output repeats this finished sample: nothing is new
@@ -132,6 +140,6 @@ async def _stream(
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            yield chunk([choice])
+            yield chunk([choice], running.sent(c.index, len(c.token_ids)) if running else None)
     if req.include_usage and final is not None:
         yield chunk([], Usage.of([final]))

@@ -27,6 +27,7 @@ from server.protocol import (
 )
 from server.state import ServerState
 from server.streaming import event_stream, merge, sse, until_disconnected
+from server.usage import RunningUsage
 
 
 @dataclass
@@ -201,9 +202,16 @@ async def _stream(
     model: str,
 ) -> AsyncGenerator[str, None]:
     exclude = None if writer.req.include_usage else {"usage"}
+    running = (
+        RunningUsage(sum(len(p.token_ids) for p in writer.prompts), len(writer.prompts))
+        if writer.req.continuous_usage
+        else None
+    )
     finals: dict[int, RequestOutput] = {}
     finished: set[int] = set()
     async for prompt_index, output in merge(streams):
+        if running:
+            running.saw(prompt_index, output)
         for c in output.outputs:
             index = writer.index(prompt_index, c.index)
             if index in finished:
@@ -213,7 +221,10 @@ async def _stream(
                 continue
             if c.finish_reason is not None:
                 finished.add(index)
-            chunk = Completion(id=response_id, created=created, model=model, choices=[choice])
+            usage = running.sent(index, len(c.token_ids)) if running else None
+            chunk = Completion(
+                id=response_id, created=created, model=model, choices=[choice], usage=usage
+            )
             yield sse(chunk, exclude)
         if output.finished:
             finals[prompt_index] = output

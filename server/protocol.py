@@ -59,6 +59,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: usage on every chunk as well, counted so far (only together with include_usage).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -170,6 +172,13 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        # As vLLM reads it: without include_usage, continuous_usage_stats adds nothing.
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def check(self) -> None:
         """Rules across fields, raised with the parameter to blame (pydantic would not name it)."""

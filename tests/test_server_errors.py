@@ -224,6 +224,12 @@ WRONG_TYPES = [
         "stream_options.include_usage",
         "boolean",
     ),
+    *both(
+        "continuous_usage_stats-word",
+        {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "y"}},
+        "stream_options.continuous_usage_stats",
+        "boolean",
+    ),
     *both("logit_bias-nested-junk", {"logit_bias": {"42": {"x": 1}}}, "logit_bias.42", "number"),
     Bad(
         "content-part-without-type",
