@@ -103,6 +103,7 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: Int | None = None
     ignore_eos: bool = False
     min_tokens: Int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -185,6 +186,14 @@ class SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            # Every sample drawn is returned; none is ranked and dropped. Accepting another
+            # value would silently give n answers where best-of-N selection was asked for.
+            raise InvalidRequestError(
+                f"best_of={self.best_of} is not supported: this server returns every sample it "
+                f"draws, so best_of must equal n ({self.n}) or be left out",
+                "best_of",
             )
         for name in ("tools", "functions", "suffix"):
             if getattr(self, name, None):

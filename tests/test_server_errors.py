@@ -191,6 +191,9 @@ OUT_OF_RANGE = [
         "stream_options",
         "stream",
     ),
+    *both("best_of-above-n", {"best_of": 2}, "best_of", "best_of=2", "n (1)"),
+    *both("best_of-below-n", {"n": 3, "best_of": 2}, "best_of", "best_of=2", "n (3)"),
+    *both("best_of-zero", {"best_of": 0}, "best_of", "best_of=0"),
     *both(
         "tools",
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -215,6 +218,7 @@ WRONG_TYPES = [
     *both("temperature-word", {"temperature": "hot"}, "temperature", "number", "hot"),
     *both("n-float", {"n": 1.5}, "n", "integer", "1.5"),
     *both("stream-word", {"stream": "sometimes"}, "stream", "boolean"),
+    *both("best_of-string", {"best_of": "1"}, "best_of", "integer"),
     # Junk nested inside known fields is refused, at the deepest field that names it.
     *both("stop-nested-junk", {"stop": {"a": [1, {"b": None}]}}, "stop"),
     *both("stop-list-of-lists", {"stop": [["a"]]}, "stop.0", "string"),
@@ -417,6 +421,33 @@ def test_unknown_top_level_fields_are_ignored(http: httpx.Client, reference: lis
     response = http.post(COMPLETIONS, json={**GOOD, **junk})
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == reference
+
+
+def test_best_of_equal_to_n_is_accepted(
+    http: httpx.Client, client: openai.OpenAI, reference: list[str]
+) -> None:
+    """best_of = n asks for nothing beyond the n samples, so it is served as without it; any
+    other value is refused (test_bad_request), through the SDK too."""
+    response = http.post(COMPLETIONS, json={**GOOD, "best_of": 1})
+    assert response.status_code == 200, response.text
+    assert [c["text"] for c in response.json()["choices"]] == reference
+    sdk_good = {k: v for k, v in GOOD.items() if k != "ignore_eos"}
+    extra = {"extra_body": {"ignore_eos": True}}
+    out = client.completions.create(**sdk_good, **extra, n=2, best_of=2)
+    assert [c.text for c in out.choices] == reference * 2  # greedy: both samples alike
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"best_of": 1}
+    )
+    assert len(chat.choices) == 1
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**sdk_good, **extra, best_of=3)
+    assert info.value.param == "best_of"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, n=2, extra_body={"best_of": 4}
+        )
+    assert info.value.param == "best_of"
 
 
 # --------------------------------------------------------------------------- context length
