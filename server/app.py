@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -10,6 +11,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 
 from config import ServerConfig
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -34,6 +36,25 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.state import ServerState, served_model_names
+
+log = logging.getLogger(__name__)
+
+# A client decides the names; a log line must stay readable whatever it sends.
+MAX_IGNORED_SHOWN, MAX_NAME_SHOWN = 20, 80
+
+
+def log_ignored_fields(req: BaseModel) -> None:
+    """Say once, by name, which top-level fields of the request nothing reads: they are
+    accepted, as vLLM accepts them, so a client would otherwise never learn that they had no
+    effect. `model_extra` holds only what the model does not declare, so a field declared
+    later (or refused by a check) is never reported here."""
+    names = sorted(req.model_extra or {})
+    if not names:
+        return
+    shown = ", ".join(repr(name[:MAX_NAME_SHOWN]) for name in names[:MAX_IGNORED_SHOWN])
+    if len(names) > MAX_IGNORED_SHOWN:
+        shown += f", ... ({len(names) - MAX_IGNORED_SHOWN} more)"
+    log.warning("The following fields were present in the request but ignored: {%s}", shown)
 
 
 def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
@@ -106,6 +127,7 @@ def create_app(
     async def completions(
         req: CompletionRequest, request: Request
     ) -> Completion | StreamingResponse:
+        log_ignored_fields(req)
         require_engine()
         return await create_completion(state, req, request)
 
@@ -113,6 +135,7 @@ def create_app(
     async def chat_completions(
         req: ChatCompletionRequest, request: Request
     ) -> ChatCompletion | StreamingResponse:
+        log_ignored_fields(req)
         require_engine()
         return await create_chat_completion(state, req, request)
 
@@ -140,6 +163,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, object]:
+        log_ignored_fields(req)
         state.resolve_model(req.model)
         req.check()
         if req.messages is not None:
@@ -154,6 +178,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        log_ignored_fields(req)
         state.resolve_model(req.model)
         bad = [t for t in req.tokens if t >= state.vocab_size]
         if bad:

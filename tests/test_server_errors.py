@@ -7,6 +7,7 @@ after all of them the server still answers and the engine holds no request and n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -421,6 +422,72 @@ def test_unknown_top_level_fields_are_ignored(http: httpx.Client, reference: lis
     response = http.post(COMPLETIONS, json={**GOOD, **junk})
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == reference
+
+
+IGNORED = "The following fields were present in the request but ignored: "
+
+
+def ignored_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage().startswith(IGNORED)]
+
+
+def test_unknown_top_level_fields_are_logged_once_by_name(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture, reference: list[str]
+) -> None:
+    """The server runs in this process, so its log is caplog's. Unknown fields are named once
+    per request (not per prompt), at warning level, and the answer is the one without them."""
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    response = http.post(COMPLETIONS, json={**GOOD, "foo": 1, "bar": 2})
+    assert response.status_code == 200, response.text
+    assert [c["text"] for c in response.json()["choices"]] == reference
+    (record,) = ignored_logs(caplog)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == IGNORED + "{'bar', 'foo'}"
+
+    caplog.clear()
+    body = {**BASE[CHAT], "foo": [1], "stream": True}
+    assert http.post(CHAT, json=body).status_code == 200
+    assert http.post(COMPLETIONS, json={**GOOD, "prompt": ["a", "b"], "bar": 0}).status_code == 200
+    assert http.post("/tokenize", json={"prompt": "hi", "baz": None}).status_code == 200
+    assert [r.getMessage() for r in ignored_logs(caplog)] == [
+        IGNORED + "{'foo'}",
+        IGNORED + "{'bar'}",
+        IGNORED + "{'baz'}",
+    ]
+
+    # Known fields only, vLLM's and nested ones included: nothing is logged.
+    caplog.clear()
+    known = {
+        **GOOD,
+        "n": 2,
+        "best_of": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "top_k": 5,
+        "min_tokens": 1,
+        "user": "u",
+    }
+    assert http.post(COMPLETIONS, json=known).status_code == 200
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "x"}]
+    chat = {**BASE[CHAT], "messages": messages, "max_completion_tokens": 2, "logprobs": True}
+    assert http.post(CHAT, json=chat).status_code == 200
+    assert ignored_logs(caplog) == []
+
+
+def test_a_client_cannot_flood_the_log_with_field_names(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Names are cut short and escaped (a newline in one cannot forge a log line), and at most
+    20 of them are listed."""
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    junk = {f"{i:03d}\n" + "x" * 500: i for i in range(100)}
+    assert http.post(COMPLETIONS, json={**GOOD, **junk}).status_code == 200
+    (record,) = ignored_logs(caplog)
+    message = record.getMessage()
+    assert "\n" not in message and message.endswith(", ... (80 more)}")
+    assert len(message) < 20 * 100 + 200
 
 
 def test_best_of_equal_to_n_is_accepted(
