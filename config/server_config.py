@@ -12,6 +12,9 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
 # dashboards, alerts and autoscaler rules written for a vLLM server work against this one.
 MetricsNames = Literal["pagedserve", "vllm"]
+# vLLM's names for the formats models write tool calls and reasoning in (server/parsers/).
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 class ServerConfig(_Strict):
@@ -59,6 +62,16 @@ class ServerConfig(_Strict):
         description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
+    tool_call_parser: ToolCallParserName | None = Field(
+        None,
+        description="the format this model writes tool calls in; needed for tool_choice 'auto' "
+        "(hermes: Qwen/Hermes <tool_call>, llama3_json: Llama 3.x JSON, mistral: [TOOL_CALLS])",
+    )
+    reasoning_parser: ReasoningParserName | None = Field(
+        None,
+        description="split <think>...</think> into reasoning_content (qwen3: the model opens the "
+        "block; deepseek_r1: the prompt opens it)",
+    )
     metrics_names: MetricsNames = Field(
         "pagedserve",
         description="names at /metrics: 'pagedserve' (pagedserve:*), or 'vllm' for vLLM's own "

@@ -19,9 +19,17 @@ def encode_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """`tools` (OpenAI tool definitions) and `template_kwargs` (e.g. Qwen3's enable_thinking)
+    are variables of the template."""
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages,
+        tools=tools,  # type: ignore[arg-type]  # dicts are what it takes
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **(template_kwargs or {}),
     )
     assert isinstance(text, str)  # tokenize=False renders one conversation to one string
     # The template already holds the special tokens; do not add a second BOS.

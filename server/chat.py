@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: the conversation rendered with the model's chat template, then
-one engine request with n samples."""
+"""POST /v1/chat/completions: the conversation (and its tools) rendered with the model's chat
+template, then one engine request with n samples; each sample's text shaped into reasoning,
+content and tool calls (server/chat_output.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -12,10 +14,12 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput
 from engine.outputs import CompletionOutput
+from engine.structured import StructuredOutputsParams
+from server.chat_output import ChoiceShaper, whole_message
 from server.inputs import chat_messages, compile_constraint, engine_params, render_chat
 from server.logprobs import chat_logprobs
+from server.parsers import reasoning_parser_for
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -27,6 +31,7 @@ from server.protocol import (
 )
 from server.state import ServerState
 from server.streaming import event_stream, sse, until_disconnected
+from server.tool_choice import plan_tools
 from server.usage import RunningUsage
 
 
@@ -35,16 +40,29 @@ async def create_chat_completion(
 ) -> ChatCompletion | StreamingResponse:
     model = state.resolve_model(req.model)
     req.check()
+    plan = plan_tools(req, state.config.tool_call_parser)
     constraint = req.constraint()
+    if plan.constraint is not None:
+        constraint = (plan.constraint, "tools")
     messages = chat_messages(req.messages)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt_ids = await state.off_loop(
-        render_chat, state.tokenizer, messages, req.add_generation_prompt
+        render_chat,
+        state.tokenizer,
+        messages,
+        req.add_generation_prompt,
+        tools,
+        req.chat_template_kwargs,
     )
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     structured, constraint_param = constraint if constraint else (None, "")
+    if structured is not None:
+        structured = _after_reasoning(state, structured, prompt_ids)
+    if plan.mode == "auto" and plan.parser in ("llama3_json", "mistral"):
+        req.skip_special_tokens = False  # their markers (<|python_tag|>, [TOOL_CALLS]) are special
     params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
     await compile_constraint(state, params, constraint_param)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -57,9 +75,12 @@ async def create_chat_completion(
         positions = (c.logprobs or [])[start : start + len(token_ids)]
         return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
 
+    def shaper() -> ChoiceShaper:
+        return ChoiceShaper.build(plan, state.config.reasoning_parser)
+
     if req.stream:
         return event_stream(
-            _stream(req, prompt_ids, stream, response_id, created, model, logprobs_of)
+            _stream(req, prompt_ids, stream, response_id, created, model, logprobs_of, shaper)
         )
 
     async def collect() -> RequestOutput:
@@ -70,19 +91,43 @@ async def create_chat_completion(
         return final
 
     final = await until_disconnected(request, collect())
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=AssistantMessage(content=c.text),
-            logprobs=logprobs_of(c, c.token_ids, 0),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in final.outputs:
+        message = whole_message(
+            shaper(), c.text, c.finish_reason == "stop" and c.stop_reason is None
         )
-        for c in final.outputs
-    ]
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=logprobs_of(c, c.token_ids, 0),
+                finish_reason=_finish_reason(c, bool(message.tool_calls)),
+                stop_reason=c.stop_reason,
+            )
+        )
     return ChatCompletion(
         id=response_id, created=created, model=model, choices=choices, usage=Usage.of([final])
     )
+
+
+def _after_reasoning(
+    state: ServerState, structured: StructuredOutputsParams, prompt_ids: list[int]
+) -> StructuredOutputsParams:
+    """With a reasoning parser, the constraint begins once the model closes its reasoning,
+    unless the prompt already closed it (Qwen3 with enable_thinking false renders an empty
+    <think></think> block at the end of the prompt)."""
+    name = state.config.reasoning_parser
+    if name is None:
+        return structured
+    end = state.tokenizer.convert_tokens_to_ids(reasoning_parser_for(name).end)
+    if not isinstance(end, int) or end == state.tokenizer.unk_token_id or end in prompt_ids[-4:]:
+        return structured
+    return dataclasses.replace(structured, starts_after=end)
+
+
+def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
+    # OpenAI: a turn that ended in tool calls finishes with "tool_calls".
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
 LogprobsOf = Callable[[CompletionOutput, list[int], int], ChatLogprobs | None]
@@ -96,6 +141,7 @@ async def _stream(
     created: int,
     model: str,
     logprobs_of: LogprobsOf,
+    shaper: Callable[[], ChoiceShaper],
 ) -> AsyncGenerator[str, None]:
     exclude = None if req.include_usage else {"usage"}
     running = RunningUsage(len(prompt_ids), 1) if req.continuous_usage else None
@@ -110,6 +156,7 @@ async def _stream(
 
     finished: set[int] = set()
     sent_tokens = [0] * req.n
+    shapers = [shaper() for _ in range(req.n)]
     # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
     for i in range(req.n):
         role = ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
@@ -128,18 +175,24 @@ async def _stream(
                 else None
             )
             sent_tokens[c.index] += len(c.token_ids_delta)
-            if not c.text_delta and logprobs is None and c.finish_reason is None:
-                continue  # text held back (a partial character or stop string): nothing to show yet
-            delta = Delta(content=c.text_delta) if c.text_delta else Delta()
+            shaping = shapers[c.index]
+            deltas = shaping.feed(c.text_delta)
             if c.finish_reason is not None:
                 finished.add(c.index)
-            choice = ChatChunkChoice(
-                index=c.index,
-                delta=delta,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            yield chunk([choice], running.sent(c.index, len(c.token_ids)) if running else None)
+                deltas += shaping.finish(c.finish_reason == "stop" and c.stop_reason is None)
+            if not deltas and logprobs is None and c.finish_reason is None:
+                continue  # text held back (a partial character, stop string or marker)
+            deltas = deltas or [Delta()]
+            usage = running.sent(c.index, len(c.token_ids)) if running else None
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                choice = ChatChunkChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=logprobs if k == 0 else None,
+                    finish_reason=_finish_reason(c, shaping.num_calls > 0) if last else None,
+                    stop_reason=c.stop_reason if last else None,
+                )
+                yield chunk([choice], usage)
     if req.include_usage and final is not None:
         yield chunk([], Usage.of([final]))

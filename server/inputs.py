@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from config import ServerConfig
@@ -127,10 +128,36 @@ async def compile_constraint(state: ServerState, params: SamplingParams, param: 
         raise invalid(str(exc), param) from None
 
 
+def _tool_calls(message: ChatMessage, i: int, call_ids: set[str]) -> list[dict[str, Any]]:
+    """An assistant's earlier calls as templates take them: arguments a JSON object (vLLM does
+    the same), not the JSON text the API carries."""
+    calls = []
+    for j, call in enumerate(message.tool_calls or []):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise invalid(
+                "a tool call's arguments must be a JSON object, as text",
+                f"messages.{i}.tool_calls.{j}.function.arguments",
+            )
+        call_ids.add(call.id)
+        calls.append(
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
+        )
+    return calls
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: content a string (text parts joined), the
-    other fields of each message passed through."""
+    other fields of each message passed through; a tool message must answer an earlier call."""
     rendered = []
+    call_ids: set[str] = set()
     for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
@@ -143,19 +170,62 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        if message.tool_calls and message.role != "assistant":
+            raise invalid(
+                "only assistant messages may carry tool_calls", f"messages.{i}.tool_calls"
+            )
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise invalid("a tool message needs tool_call_id", f"messages.{i}.tool_call_id")
+            if message.tool_call_id not in call_ids:
+                raise invalid(
+                    f"tool_call_id {message.tool_call_id!r} answers no earlier assistant tool call",
+                    f"messages.{i}.tool_call_id",
+                )
         fields = message.model_dump(exclude_none=True)
         fields["content"] = content if content is not None else ""
+        if message.tool_calls:
+            fields["tool_calls"] = _tool_calls(message, i, call_ids)
         rendered.append(fields)
     return rendered
 
 
+# Arguments of apply_chat_template itself, which chat_template_kwargs must not override.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the conversation under the model's chat template (runs off the event loop)."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template: use /v1/completions", "messages")
+    reserved = sorted(_TEMPLATE_ARGUMENTS & set(template_kwargs or {}))
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     try:
-        return encode_chat(tokenizer, messages, add_generation_prompt)
+        return encode_chat(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     except Exception as exc:  # noqa: BLE001 - a template's own raise_exception() (roles out of order) is any type
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -195,8 +195,10 @@ class SamplingFields(_Request):
                 f"draws, so best_of must equal n ({self.n}) or be left out",
                 "best_of",
             )
-        for name in ("tools", "functions", "suffix"):
-            if getattr(self, name, None):
+        # Undeclared here (tools on completions, the old functions API, suffix), yet dropping
+        # them would change the answer.
+        for name in ("tools", "tool_choice", "functions", "suffix"):
+            if (self.model_extra or {}).get(name):
                 raise InvalidRequestError(f"{name} is not supported by this server", name)
 
 
@@ -212,9 +214,43 @@ class TextPart(_Request):
     text: Text | None = None
 
 
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends and returns it
+
+
+class MessageToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Text
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: which call it answers
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema when a grammar forces them
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -224,6 +260,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -315,9 +355,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -337,14 +390,49 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallFunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+    @model_serializer
+    def _only_set(self) -> dict[str, Any]:
+        return (
+            {"name": self.name, "arguments": self.arguments}
+            if self.name
+            else {"arguments": self.arguments}
+        )
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first chunk has its id, type and name; later ones only argument fragments."""
+
+    index: int
+    id: str | None = None
+    function: ToolCallFunctionDelta
+
+    @model_serializer
+    def _only_set(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": self.function}
+        return {"index": self.index, "id": self.id, "type": "function", "function": self.function}
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _only_set(self) -> dict[str, Any]:
         # A delta carries only what changed: {"role": ...} first, then {"content": ...}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (
+            ("role", self.role),
+            ("content", self.content),
+            ("reasoning_content", self.reasoning_content),
+            ("tool_calls", self.tool_calls),
+        )
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -195,11 +195,20 @@ OUT_OF_RANGE = [
     *both("best_of-above-n", {"best_of": 2}, "best_of", "best_of=2", "n (1)"),
     *both("best_of-below-n", {"n": 3, "best_of": 2}, "best_of", "best_of=2", "n (3)"),
     *both("best_of-zero", {"best_of": 0}, "best_of", "best_of=0"),
-    *both(
-        "tools",
+    Bad(
+        "tools-completions",
+        COMPLETIONS,
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         "tools",
-        "tools",
+        ("tools",),
+    ),
+    # Chat takes tools, but "auto" (the default choice) needs a parser this server lacks.
+    Bad(
+        "tools-chat-auto-without-parser",
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "tool_choice",
+        ("--tool-call-parser",),
     ),
 ]
 
