@@ -120,7 +120,10 @@ def test_serve_refuses_bad_flags_before_loading(capsys: pytest.CaptureFixture[st
 
 
 def _readme_blocks(language: str, marker: str) -> list[str]:
+    """The first examples of "Talking to the server" (its subsections have tests of their own)."""
     text = (ROOT / "README.md").read_text()
+    text = text[text.index("## Talking to the server") :]
+    text = text[: text.index("\n### ")]
     blocks = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
     return [b for b in blocks if marker in b]
 
