@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_vllm's serve
 from compare_vllm import ServerFailed, start, stop, wait_healthy
 
 import engine.sampler as sampler_module
+import engine.structured.state as state_module
 from engine import LLM, SamplingParams
 from engine.structured import GrammarCompiler, GrammarState, StructuredOutputsParams
 
@@ -244,6 +245,8 @@ class Probe:
         self._patch(
             xgr, "apply_token_bitmask_inplace", timed("apply", xgr.apply_token_bitmask_inplace)
         )
+        if hasattr(state_module, "_apply_on_cpu"):  # the CPU path's own apply
+            self._patch(state_module, "_apply_on_cpu", timed("apply", state_module._apply_on_cpu))
         self._patch(GrammarState, "accept", timed("accept", GrammarState.accept))
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:

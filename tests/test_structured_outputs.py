@@ -178,3 +178,27 @@ def test_compiled_grammars_are_cached_by_source(llm: LLM) -> None:
     again = grammars.compile(StructuredOutputsParams.json_schema(json.dumps(SCHEMA)))
     assert again is first
     assert grammars.compile(StructuredOutputsParams(regex="a+")) is not first
+
+
+def test_the_cpu_mask_equals_xgrammars_apply() -> None:
+    """The CPU path adds per-byte penalties instead of xgrammar's masked fill: same logits, for
+    every row or a subset, a vocabulary that is not a multiple of 32, and bfloat16."""
+    import torch
+    import xgrammar as xgr
+
+    from engine.structured.state import _apply_on_cpu
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(6, 1000, dtype=dtype)
+        for rows in ([0, 1, 2, 3, 4, 5], [1, 4]):
+            bitmask = xgr.allocate_token_bitmask(len(rows), 1000)
+            bitmask.random_(-(2**31), 2**31 - 1)
+            ours = logits.clone()
+            _apply_on_cpu(ours, bitmask, rows)
+            full = xgr.allocate_token_bitmask(6, 1000)  # all allowed
+            full[rows] = bitmask
+            theirs = logits.clone()
+            xgr.apply_token_bitmask_inplace(theirs, full)
+            assert torch.equal(ours, theirs)
+            assert (ours.isinf().sum(-1)[rows] > 0).all()
