@@ -1,6 +1,6 @@
 """Tool calling over real HTTP with the official openai client: `required` and a named function
 forced by a grammar on the default model (whose free output would rarely be a call), `auto`
-parsed from a random-weight Qwen3's output (forced into the Hermes format by a test grammar),
+parsed from a random-weight Qwen3's output (forced into each parser's format by a test grammar),
 streamed as OpenAI streams calls, and OpenAI 400s for bad tools, choices and tool messages."""
 
 from __future__ import annotations
@@ -208,51 +208,68 @@ def test_bad_tools_and_tool_messages_are_400s(
 
 # --------------------------------------------------------------------------- auto, parsed
 
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+# What each format's model writes: a sentence, then one call (llama3_json: the call alone, since
+# its marker <|python_tag|> is a special token that no grammar can force).
+OUTPUTS = {
+    "hermes": (
+        "Let me check.\n",
+        '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGUMENTS + "}\n</tool_call>",
+    ),
+    "mistral": (
+        "Let me check.",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + ARGUMENTS + "}]",
+    ),
+    "llama3_json": ("", '{"name": "get_weather", "parameters": ' + ARGUMENTS + "}"),
+}
 
 
 @pytest.fixture(scope="module")
-def qwen_client(qwen3_dir: Path) -> Iterator[openai.OpenAI]:
-    """A random-weight Qwen3 with the real Qwen3 chat template, served with the hermes parser."""
-    from config import ServerConfig
+def qwen_engine(qwen3_dir: Path) -> Iterator[Any]:
+    """A random-weight Qwen3 with the real Qwen3 chat template."""
     from tests.server_harness import start_engine
 
     engine = start_engine(model=str(qwen3_dir), num_kv_blocks=256, max_num_seqs=8)
-    running = RunningServer(engine, ServerConfig(tool_call_parser="hermes"))
-    with openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-    running.stop()
+    yield engine
     engine.shutdown()
 
 
-def test_auto_parses_hermes_calls(qwen_client: openai.OpenAI) -> None:
-    # The test grammar stands in for a model trained to call: "Let me check." then one call.
-    grammar = "root ::= " + json.dumps("Let me check.\n" + HERMES_CALL)
+@pytest.mark.parametrize("parser", list(OUTPUTS))
+def test_auto_parses_each_format(qwen_engine: Any, parser: str) -> None:
+    from config import ServerConfig
+
+    running = RunningServer(qwen_engine, ServerConfig(tool_call_parser=parser))
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        check_auto(client, *OUTPUTS[parser])
+    finally:
+        client.close()
+        running.stop()
+
+
+def check_auto(client: openai.OpenAI, before: str, call_text: str) -> None:
+    # The test grammar stands in for a model trained to call.
+    grammar = "root ::= " + json.dumps(before + call_text)
     common: Any = {
-        "model": qwen_client.models.list().data[0].id,
+        "model": client.models.list().data[0].id,
         "messages": ASK,
         "tools": TOOLS,
         "temperature": 0,
         "max_tokens": 200,  # a random model spells the forced text in short tokens
         "extra_body": {"guided_grammar": grammar},
     }
-    choice = qwen_client.chat.completions.create(**common).choices[0]
+    choice = client.chat.completions.create(**common).choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Let me check.\n"
+    assert choice.message.content == (before or None)
     (call,) = choice.message.tool_calls or []
-    assert (call.function.name, json.loads(call.function.arguments)) == (
-        "get_weather",
-        {"city": "Paris", "unit": "celsius"},
-    )
-    calls, finish = streamed_calls(qwen_client, **common)
+    assert (call.function.name, call.function.arguments) == ("get_weather", ARGUMENTS)
+    calls, finish = streamed_calls(client, **common)
     assert finish == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls] == [
-        ("get_weather", call.function.arguments)
-    ]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", ARGUMENTS)]
 
     # Without a call in the output, auto gives content and finishes with "stop".
     plain = {**common, "extra_body": {"guided_choice": ["No tools needed."]}}
-    choice = qwen_client.chat.completions.create(**plain).choices[0]
+    choice = client.chat.completions.create(**plain).choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
         "No tools needed.",
         [],
