@@ -43,9 +43,8 @@ class ChoiceShaper:
     plan: ToolPlan
     reasoning: ReasoningParser | None = None
     tools: ToolCallParser | None = None
-    _forced_text: str = ""  # required: the JSON array, read when the output ends
-    _named_id: str | None = None
     num_calls: int = field(default=0, init=False)
+    _forced_text: str = field(default="", init=False)  # required: the JSON, read at the end
 
     @classmethod
     def build(cls, plan: ToolPlan, reasoning_parser: str | None) -> ChoiceShaper:
@@ -94,10 +93,9 @@ class ChoiceShaper:
         if mode == "named":
             assert self.plan.function is not None
             deltas = []
-            if self._named_id is None:  # the name is known before the arguments begin
-                self._named_id = new_call_id()
+            if self.num_calls == 0:  # the name is known before the arguments begin
                 self.num_calls = 1
-                deltas.append(_start(0, self._named_id, self.plan.function))
+                deltas.append(_start(0, new_call_id(), self.plan.function))
             return deltas + [_arguments(0, text)]
         return [Delta(content=text)]
 
