@@ -22,10 +22,6 @@ class ToolPlan:
     function: str | None = None  # the one function of `named`
     constraint: StructuredOutputsParams | None = None  # what `required` and `named` force
 
-    @property
-    def forced(self) -> bool:
-        return self.constraint is not None
-
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
     # No parameters: an empty object, as OpenAI calls such a function.

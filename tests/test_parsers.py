@@ -629,3 +629,13 @@ def test_qwen3_reasoning_then_hermes_on_template_output(content: str, tool_calls
     assert result.content == ("\n\n" + content + "\n" if content else None)
     assert_streams_like_whole(HermesToolParser, answer)
     assert_reasoning_streams_like_whole(Qwen3ReasoningParser, turn)
+
+
+def test_the_server_flags_offer_exactly_the_registered_parsers() -> None:
+    """config/ may not import server/, so its flag choices are literals: they must match."""
+    from typing import get_args
+
+    from config.server_config import ReasoningParserName, ToolCallParserName
+
+    assert get_args(ToolCallParserName) == TOOL_CALL_PARSER_NAMES
+    assert get_args(ReasoningParserName) == REASONING_PARSER_NAMES
