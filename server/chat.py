@@ -93,9 +93,7 @@ async def create_chat_completion(
     final = await until_disconnected(request, collect())
     choices = []
     for c in final.outputs:
-        message = whole_message(
-            shaper(), c.text, c.finish_reason == "stop" and c.stop_reason is None
-        )
+        message = whole_message(shaper(), c.text, _ended_by_itself(c))
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -123,6 +121,12 @@ def _after_reasoning(
     if not isinstance(end, int) or end == state.tokenizer.unk_token_id or end in prompt_ids[-4:]:
         return structured
     return dataclasses.replace(structured, starts_after=end)
+
+
+def _ended_by_itself(c: CompletionOutput) -> bool:
+    """The model ended the output (EOS, or its grammar was complete): not max_tokens, not a
+    stop string or stop token id of the request's."""
+    return c.finish_reason == "stop" and c.stop_reason is None
 
 
 def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
@@ -179,7 +183,7 @@ async def _stream(
             deltas = shaping.feed(c.text_delta)
             if c.finish_reason is not None:
                 finished.add(c.index)
-                deltas += shaping.finish(c.finish_reason == "stop" and c.stop_reason is None)
+                deltas += shaping.finish(_ended_by_itself(c))
             if not deltas and logprobs is None and c.finish_reason is None:
                 continue  # text held back (a partial character, stop string or marker)
             deltas = deltas or [Delta()]
