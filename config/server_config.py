@@ -77,6 +77,23 @@ class ServerConfig(_Strict):
         description="names at /metrics: 'pagedserve' (pagedserve:*), or 'vllm' for vLLM's own "
         'names and labels (vllm:*, engine="0") so that vLLM dashboards work unchanged',
     )
+    responses_store: str = Field(
+        "sqlite",
+        min_length=1,
+        description="where stored responses (/v1/responses with store: true) live: 'sqlite' (a "
+        "file in the cache directory), 'sqlite:///path', or 'none'",
+    )
+    responses_max_age_s: float = Field(
+        30 * 24 * 3600.0,
+        gt=0,
+        description="seconds a stored response is kept before it is deleted (default: 30 days)",
+    )
+    responses_max_bytes: int = Field(
+        1024**3,
+        ge=1,
+        description="most bytes of stored responses kept; the oldest are deleted first beyond it "
+        "(default: 1 GiB)",
+    )
 
 
 class ServeConfig(_Strict):
