@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -9,11 +10,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 from config import ServerConfig
+from config.engine_config import default_cache_dir
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.tokenization import decode, encode
 from server.admission import GeneratingRoute, shutting_down
@@ -35,6 +37,9 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.responses import create_response, input_items_page, not_found, retrieve
+from server.responses_protocol import ResponsesRequest
+from server.responses_store import open_response_store
 from server.state import ServerState, served_model_names
 
 log = logging.getLogger(__name__)
@@ -86,11 +91,18 @@ def create_app(
     apps), and `metrics` at /metrics (see `attach_metrics`)."""
     state = ServerState.build(engine, config, metrics.reject if metrics else None)
     metrics_registry = metrics.registry if metrics else CollectorRegistry()
+    store = open_response_store(
+        config.responses_store,
+        default_cache_dir(),
+        config.responses_max_age_s,
+        config.responses_max_bytes,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         state.close()
+        store.close()
 
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.server = state
@@ -139,7 +151,29 @@ def create_app(
         require_engine()
         return await create_chat_completion(state, req, request)
 
+    @generating.post("/v1/responses", response_model=None)
+    async def responses(
+        req: ResponsesRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        log_ignored_fields(req)
+        require_engine()
+        return await create_response(state, store, req, request)
+
     app.include_router(generating)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse((await retrieve(store, response_id)).response)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str) -> JSONResponse:
+        return JSONResponse(input_items_page(await retrieve(store, response_id)))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not await asyncio.to_thread(store.delete, response_id):
+            raise not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def models() -> ModelList:

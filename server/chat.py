@@ -8,14 +8,15 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine import RequestOutput
+from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputsParams
-from server.chat_output import ChoiceShaper, whole_message
+from server.chat_output import ChoiceShaper, ended_by_itself, whole_message
 from server.inputs import chat_messages, compile_constraint, engine_params, render_chat
 from server.logprobs import chat_logprobs
 from server.parsers import reasoning_parser_for
@@ -30,15 +31,27 @@ from server.protocol import (
     Usage,
 )
 from server.state import ServerState
-from server.streaming import event_stream, sse, until_disconnected
-from server.tool_choice import plan_tools
+from server.streaming import event_stream, last_output, sse, until_disconnected
+from server.tool_choice import ToolPlan, plan_tools
 from server.usage import RunningUsage
 
 
-async def create_chat_completion(
-    state: ServerState, req: ChatCompletionRequest, request: Request
-) -> ChatCompletion | StreamingResponse:
-    model = state.resolve_model(req.model)
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine: what /v1/chat/completions and /v1/responses
+    share (one engine path: the same prompt, parameters, grammar and parsers)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    reasoning_parser: str | None
+
+    def shaper(self) -> ChoiceShaper:
+        return ChoiceShaper.build(self.plan, self.reasoning_parser)
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    """Render, tokenize and check a chat request (a 400 for anything wrong), before queueing."""
     req.check()
     plan = plan_tools(req, state.config.tool_call_parser)
     constraint = req.constraint()
@@ -65,6 +78,16 @@ async def create_chat_completion(
         req.skip_special_tokens = False  # their markers (<|python_tag|>, [TOOL_CALLS]) are special
     params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
     await compile_constraint(state, params, constraint_param)
+    return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser)
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, request: Request
+) -> ChatCompletion | StreamingResponse:
+    model = state.resolve_model(req.model)
+    prepared = await prepare_chat(state, req)
+    prompt_ids, params = prepared.prompt_ids, prepared.params
+    top_n = params.logprobs
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = state.generate(request, prompt_ids, params, response_id, prompt_ids)
@@ -75,25 +98,17 @@ async def create_chat_completion(
         positions = (c.logprobs or [])[start : start + len(token_ids)]
         return ChatLogprobs(content=chat_logprobs(state.tokenizer, token_ids, positions, top_n))
 
-    def shaper() -> ChoiceShaper:
-        return ChoiceShaper.build(plan, state.config.reasoning_parser)
-
     if req.stream:
         return event_stream(
-            _stream(req, prompt_ids, stream, response_id, created, model, logprobs_of, shaper)
+            _stream(
+                req, prompt_ids, stream, response_id, created, model, logprobs_of, prepared.shaper
+            )
         )
 
-    async def collect() -> RequestOutput:
-        final = None
-        async for output in stream:
-            final = output
-        assert final is not None and final.finished
-        return final
-
-    final = await until_disconnected(request, collect())
+    final = await until_disconnected(request, last_output(stream))
     choices = []
     for c in final.outputs:
-        message = whole_message(shaper(), c.text, _ended_by_itself(c))
+        message = whole_message(prepared.shaper(), c.text, ended_by_itself(c))
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -121,12 +136,6 @@ def _after_reasoning(
     if not isinstance(end, int) or end == state.tokenizer.unk_token_id or end in prompt_ids[-4:]:
         return structured
     return dataclasses.replace(structured, starts_after=end)
-
-
-def _ended_by_itself(c: CompletionOutput) -> bool:
-    """The model ended the output (EOS, or its grammar was complete): not max_tokens, not a
-    stop string or stop token id of the request's."""
-    return c.finish_reason == "stop" and c.stop_reason is None
 
 
 def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
@@ -183,7 +192,7 @@ async def _stream(
             deltas = shaping.feed(c.text_delta)
             if c.finish_reason is not None:
                 finished.add(c.index)
-                deltas += shaping.finish(_ended_by_itself(c))
+                deltas += shaping.finish(ended_by_itself(c))
             if not deltas and logprobs is None and c.finish_reason is None:
                 continue  # text held back (a partial character, stop string or marker)
             deltas = deltas or [Delta()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import CompletionOutput
 from server.parsers import (
     ContentDelta,
     ReasoningDelta,
@@ -112,6 +113,12 @@ class ChoiceShaper:
             else:
                 deltas.append(_arguments(event.index, event.arguments))
         return deltas
+
+
+def ended_by_itself(c: CompletionOutput) -> bool:
+    """The model ended the output (EOS, or its grammar was complete): not max_tokens, not a
+    stop string or stop token id of the request's. Only such an output is parsed as complete."""
+    return c.finish_reason == "stop" and c.stop_reason is None
 
 
 def whole_message(shaper: ChoiceShaper, text: str, complete: bool) -> AssistantMessage:

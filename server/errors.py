@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import InvalidRequestError
 from engine.async_engine import EngineDeadError
+from server.responses_store import ResponseStoreError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ def _utf8(text: str | None) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
@@ -75,6 +79,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return invalid(str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
         return engine_dead(exc)
+    if isinstance(exc, ResponseStoreError):  # the server's storage, not the request, failed
+        return APIError(503, str(exc), type="service_unavailable", code="response_store_error")
     return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
 
@@ -222,7 +228,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_engine(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
 
-    for kind in (InvalidRequestError, EngineDeadError):
+    for kind in (InvalidRequestError, EngineDeadError, ResponseStoreError):
         app.add_exception_handler(kind, _on_engine)
 
     @app.exception_handler(Exception)

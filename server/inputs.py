@@ -9,7 +9,7 @@ from config import ServerConfig
 from engine import InvalidRequestError, SamplingParams
 from engine.structured import StructuredOutputsParams
 from engine.tokenization import encode_chat
-from server.errors import invalid
+from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, invalid
 from server.protocol import ChatMessage, SamplingFields
 from server.state import ServerState
 
@@ -88,11 +88,13 @@ def resolve_max_tokens(
         return room if limit is None else min(room, limit)
     wanted = requested if requested is not None else 1
     if prompt_len + wanted > max_model_len:
-        raise invalid(
+        raise APIError(
+            400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} for the completion). "
             "Please reduce the length of the prompt or the completion.",
-            prompt_param if room < 1 else "max_tokens",
+            param=prompt_param if room < 1 else "max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,  # OpenAI's code: clients (and truncation) look for it
         )
     return wanted
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from server.errors import as_api_error
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 DONE = "data: [DONE]\n\n"
 
@@ -96,6 +97,15 @@ async def _disconnected(request: Request) -> None:
     # After the body is read, the server's receive() only returns once the client is gone.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def last_output(outputs: AsyncIterator[R]) -> R:
+    """The last of `outputs`: a whole (non-streamed) answer is the final state of its request."""
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None
+    return final
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

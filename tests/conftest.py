@@ -88,25 +88,31 @@ def engine_metrics(default_engine):
 
 
 @pytest.fixture(scope="session")
-def server(default_engine, engine_metrics):
-    """The default model served over real HTTP on 127.0.0.1, no API key."""
+def server(default_engine, engine_metrics, tmp_path_factory):
+    """The default model served over real HTTP on 127.0.0.1, no API key; stored responses in a
+    SQLite file of the session's own."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
-    running = RunningServer(
-        default_engine, ServerConfig(served_model_name=SERVED_NAMES), engine_metrics
-    )
+    store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
+    config = ServerConfig(served_model_name=SERVED_NAMES, responses_store=f"sqlite://{store}")
+    running = RunningServer(default_engine, config, engine_metrics)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="session")
-def keyed_server(default_engine, engine_metrics):
+def keyed_server(default_engine, engine_metrics, tmp_path_factory):
     """The same engine behind a second app that requires an API key, with one CORS origin."""
     from config import ServerConfig
     from tests.server_harness import RunningServer
 
-    config = ServerConfig(api_key="sk-test-key", allowed_origins=["http://dashboard.example"])
+    store = tmp_path_factory.mktemp("keyed-responses") / "responses.sqlite3"
+    config = ServerConfig(
+        api_key="sk-test-key",
+        allowed_origins=["http://dashboard.example"],
+        responses_store=f"sqlite://{store}",
+    )
     running = RunningServer(default_engine, config, engine_metrics)
     yield running
     running.stop()

@@ -101,3 +101,60 @@ def test_openai_agents_sdk_runs_a_tool_and_returns_a_typed_output(server: Runnin
     city = json.loads(calls[0].raw_item.arguments)["city"]
     assert called.final_output == f"Sunny in {city}"
     assert isinstance(named.final_output, City)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_openai_agents_sdk_default_responses_model(server: RunningServer, streamed: bool) -> None:
+    """The Agents SDK's default model class talks to /v1/responses."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from agents.items import ToolCallItem, ToolCallOutputItem
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no traces sent anywhere
+
+    async def run_agent(agent: Any, text: str, max_turns: int) -> Any:
+        if not streamed:
+            return await Runner.run(agent, text, max_turns=max_turns)
+        result = Runner.run_streamed(agent, text, max_turns=max_turns)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    async def run() -> tuple[Any, Any]:
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+        settings = ModelSettings(temperature=0, max_tokens=60)
+        caller = Agent(
+            name="weather",
+            instructions="Answer with the weather tool.",
+            tools=[function_tool(get_weather)],
+            model=model,
+            model_settings=settings.resolve(ModelSettings(tool_choice="required")),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        called = await run_agent(caller, "What is the weather in Paris?", 2)
+        typed = Agent(
+            name="cities",
+            instructions="Name a city.",
+            model=model,
+            model_settings=settings,
+            output_type=City,
+        )
+        named = await run_agent(typed, "Name a city in France.", 1)
+        await client.close()
+        return called, named
+
+    called, named = asyncio.run(run())
+    calls = [i for i in called.new_items if isinstance(i, ToolCallItem)]
+    outputs = [i for i in called.new_items if isinstance(i, ToolCallOutputItem)]
+    assert len(calls) == 1 and len(outputs) == 1
+    city = json.loads(calls[0].raw_item.arguments)["city"]
+    assert called.final_output == f"Sunny in {city}"
+    assert isinstance(named.final_output, City)

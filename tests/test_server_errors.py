@@ -579,7 +579,7 @@ def test_prompt_plus_max_tokens_beyond_context(http: httpx.Client, client: opena
         assert (error["type"], error["param"], error["code"]) == (
             "invalid_request_error",
             "max_tokens",
-            None,
+            "context_length_exceeded",
         )
         assert_sdk_raises(partial(sdk_post, client, path, body), openai.BadRequestError, 400, error)
     # Exactly max_model_len is accepted; a bias toward the end-of-sequence token (id 2) ends
@@ -643,7 +643,7 @@ def test_prompt_alone_beyond_context(http: httpx.Client, client: openai.OpenAI) 
         assert (error["type"], error["param"], error["code"]) == (
             "invalid_request_error",
             param,
-            None,
+            "context_length_exceeded",
         )
         assert_sdk_raises(partial(sdk_post, client, path, body), openai.BadRequestError, 400, error)
 
@@ -749,6 +749,7 @@ def keyed_requests(model: str) -> list[tuple[str, str, JSON | None]]:
             {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
         ),
         ("POST", CHAT, {"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}),
+        ("POST", "/v1/responses", {"model": model, "input": "Hi", "max_output_tokens": 2}),
     ]
 
 
@@ -805,6 +806,10 @@ def test_sdk_with_wrong_key(keyed_server: RunningServer, keyed_model: str) -> No
             lambda: sdk.models.list(),
             lambda: sdk.completions.create(model=keyed_model, prompt="Hello", max_tokens=2),
             lambda: sdk.chat.completions.create(model=keyed_model, messages=MESSAGES, max_tokens=2),  # type: ignore[arg-type]
+            lambda: sdk.responses.create(model=keyed_model, input="Hello", max_output_tokens=2),
+            lambda: sdk.responses.retrieve("resp_any"),
+            lambda: sdk.responses.input_items.list("resp_any"),
+            lambda: sdk.responses.delete("resp_any"),
         ]
         error = {
             "message": "Incorrect API key provided.",
