@@ -113,13 +113,34 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     return tools
 
 
+# `include` values that can be honoured: reasoning items are returned as plain text, so there is
+# nothing to encrypt, and a client that asks for encrypted reasoning to send back gets that text.
+INCLUDABLE = {"reasoning.encrypted_content"}
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise invalid("background responses are not supported", "background")
+    if req.conversation is not None:
+        raise invalid(
+            "conversation objects are not supported: continue with previous_response_id",
+            "conversation",
+        )
+    if req.prompt is not None:
+        raise invalid("stored prompt templates are not supported", "prompt")
+    if req.top_logprobs:
+        raise invalid("logprobs are not supported on /v1/responses", "top_logprobs")
+    for i, value in enumerate(req.include or []):
+        if value not in INCLUDABLE:
+            raise invalid(f"include value {value!r} is not supported", f"include.{i}")
+
+
 def chat_request(
     req: ResponsesRequest, conversation: list[dict[str, Any]]
 ) -> ChatCompletionRequest:
     """The chat request this response runs as: instructions first (not carried into a
     continuation, as OpenAI does), then the conversation (the stored one, then this input)."""
-    if req.background:
-        raise invalid("background responses are not supported", "background")
+    _refuse_unsupported(req)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,

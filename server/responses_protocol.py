@@ -59,7 +59,12 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
+    # Declared so that they are refused by name (server/responses_input.py), not ignored:
+    # each would change the answer, and none is implemented.
     background: bool = False
+    conversation: Any = None  # OpenAI's server-side conversation objects
+    prompt: Any = None  # OpenAI's stored prompt templates
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
 
     def text_format(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None else None

@@ -124,3 +124,34 @@ def test_a_forced_call_waits_for_the_reasoning_to_end(client: openai.OpenAI) -> 
     }
     message = ask(client, tool_choice="none", **extra).choices[0].message
     assert (message.content, message.model_extra["reasoning_content"]) == ("Sunny", None)
+
+
+def test_responses_reasoning_item_then_function_call(client: openai.OpenAI) -> None:
+    """/v1/responses splits the same output into a reasoning item and a function_call item,
+    counts the reasoning tokens, and streams reasoning_text events before the call's."""
+    model = client.models.list().data[0].id
+    tools: Any = [{"type": "function", "name": "get_weather", **TOOLS[0]["function"]}]
+    common: Any = {"model": model, "input": ASK, "tools": tools, "temperature": 0}
+    whole = client.responses.create(**common, max_output_tokens=80, store=False)
+    assert [item.type for item in whole.output] == ["reasoning", "function_call"]
+    reasoning, call = whole.output
+    assert reasoning.content is not None and reasoning.content[0].text == REASONING
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen"))
+    thought = "<think>" + REASONING + "</think>"
+    assert whole.usage is not None
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(tok.encode(thought))
+    assert whole.status == "completed"
+
+    events = list(client.responses.create(**common, max_output_tokens=80, stream=True, store=False))
+    kinds = [e.type for e in events]
+    first_call = kinds.index("response.function_call_arguments.delta")
+    assert kinds.index("response.reasoning_text.done") < first_call
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    assert (text, json.loads(arguments)) == (REASONING, {"city": "Paris"})
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["reasoning", "function_call"]

@@ -230,6 +230,17 @@ BAD = [
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include.1"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+    ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+        "text.format",
+    ),
+    ({"max_output_tokens": 9000}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
 ]
 
