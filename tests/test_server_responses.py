@@ -7,6 +7,9 @@ input items, delete), and OpenAI-shaped 400s/404s."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -364,3 +367,25 @@ def test_truncation_auto_drops_the_oldest_turns(tiny_server: RunningServer) -> N
         assert cut.status_code == 200, cut.text
         assert cut.json()["usage"]["input_tokens"] == prompt_len(turns[kept:])
         assert cut.json()["truncation"] == "auto"
+
+
+def test_readme_responses_examples_run(server: RunningServer) -> None:
+    """The curl and Agents SDK examples of the README's Responses API section, as written."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("### Responses API") :]
+    section = section[: section.index("\n### ", 1)]
+    (curl,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+    def run(argv: list[str]) -> str:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    reply = json.loads(run(["bash", "-c", curl.replace("http://localhost:8000", server.url)]))
+    assert reply["object"] == "response" and reply["instructions"] == "Answer in one word."
+    (message,) = reply["output"]
+    assert message["type"] == "message" and message["content"][0]["text"].strip()
+
+    printed = run([sys.executable, "-c", snippet.replace("http://localhost:8000", server.url)])
+    assert printed.startswith("Sunny in ") and printed.strip() != "Sunny in"
