@@ -59,10 +59,20 @@ def input_messages(
             role = ROLES.get(item.get("role", ""))
             if role is None:
                 raise invalid(f"unknown role {item.get('role')!r}", f"{where}.role")
-            messages.append(
-                {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            content = item.get("content")
+            messages.append({"role": role, "content": _text(content, f"{where}.content")})
+            if isinstance(content, str):  # listed back as OpenAI lists it: as parts
+                kind = "output_text" if role == "assistant" else "input_text"
+                content = [{"type": kind, "text": content}]
+            stored.append(
+                {
+                    "id": item.get("id") or item_id("msg"),
+                    "type": "message",
+                    "role": item["role"],
+                    "content": content,
+                    "status": "completed",
+                }
             )
-            stored.append({"id": item.get("id") or item_id("msg"), "type": "message", **item})
         elif kind == "function_call":
             call = {
                 "id": _field(item, "call_id", where),
@@ -79,7 +89,9 @@ def input_messages(
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             stored.append({"id": item.get("id") or item_id("fc"), **item})
         elif kind == "function_call_output":
-            output = _field(item, "output", where)
+            if not isinstance(item.get("output"), str | list):
+                raise invalid("function_call_output items need an output", f"{where}.output")
+            output = _text(item["output"], f"{where}.output")
             messages.append(
                 {"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": output}
             )
