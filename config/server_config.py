@@ -81,7 +81,8 @@ class ServerConfig(_Strict):
         "sqlite",
         min_length=1,
         description="where stored responses (/v1/responses with store: true) live: 'sqlite' (a "
-        "file in the cache directory), 'sqlite:///path', or 'none'",
+        "file in the cache directory), 'sqlite:///path', 'redis://host:port/db' (shared by "
+        "replicas; also rediss:// and unix:///path.sock), or 'none'",
     )
     responses_max_age_s: float = Field(
         30 * 24 * 3600.0,

@@ -1,10 +1,12 @@
 """Where `POST /v1/responses` with `store: true` keeps its responses, so that a later request can
 continue one (`previous_response_id`) and clients can fetch or delete it by id.
 
-The store is embedded (stdlib `sqlite3`, one file) so that a single server needs no other service,
-and a restart does not lose the conversations clients hold ids for. It is bounded by age and by
-size, because clients never have to delete what they stored and a long-running server must not
-fill its disk. The routes call it from worker threads (`asyncio.to_thread`), several at once.
+By default the store is embedded (stdlib `sqlite3`, one file) so that a single server needs no
+other service, and a restart does not lose the conversations clients hold ids for; replicas behind
+one load balancer share a Redis server instead (server/responses_store_redis.py). It is bounded
+by age and by size, because clients never have to delete what they stored and a long-running
+server must not fill its disk. The routes call it from worker threads (`asyncio.to_thread`),
+several at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # Bumped whenever the schema changes; a file written by a newer version is refused rather than
 # misread.
@@ -75,8 +77,8 @@ class StoredResponse:
 
 
 class ResponseStore(Protocol):
-    """What the routes use, whatever keeps the responses (a file, nothing, later a shared
-    service). Every method may block: call it off the event loop."""
+    """What the routes use, whatever keeps the responses (a file, a Redis server shared by
+    replicas, nothing). Every method may block: call it off the event loop."""
 
     def put(self, stored: StoredResponse) -> None:
         """Store `stored`, replacing any response with its id."""
@@ -132,6 +134,49 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
 def _dumps(value: object) -> str:
     # ensure_ascii=False: non-ASCII text is stored as itself, not as \\u escapes six bytes each.
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class EncodedResponse(NamedTuple):
+    """A `StoredResponse`'s JSON columns as every backend stores them, and their size, which the
+    size bound counts: the same bytes whatever the backend, so `max_bytes` means the same."""
+
+    response: str
+    input_items: str
+    messages: str
+    size: int  # UTF-8 bytes of the three texts
+
+
+def encode_stored(stored: StoredResponse) -> EncodedResponse:
+    """The JSON texts a backend stores for `stored`."""
+    response = _dumps(stored.response)
+    input_items = _dumps(stored.input_items)
+    messages = _dumps(stored.messages)
+    size = sum(len(text.encode("utf-8")) for text in (response, input_items, messages))
+    return EncodedResponse(response, input_items, messages, size)
+
+
+def decode_stored(
+    response_id: str,
+    created_at: float,
+    response: str,
+    input_items: str,
+    messages: str,
+    where: str,
+) -> StoredResponse:
+    """The `StoredResponse` that `encode_stored` wrote; JSON that does not parse (a store
+    written by something else) is the store's failure, named by `where`."""
+    try:
+        return StoredResponse(
+            id=response_id,
+            created_at=created_at,
+            response=json.loads(response),
+            input_items=json.loads(input_items),
+            messages=json.loads(messages),
+        )
+    except ValueError as e:
+        raise ResponseStoreError(
+            f"the responses store {where} holds unreadable JSON for {response_id}: {e}"
+        ) from e
 
 
 class SQLiteResponseStore:
@@ -205,10 +250,7 @@ class SQLiteResponseStore:
     def put(self, stored: StoredResponse) -> None:
         """Store `stored` (replacing its id), then apply the age and size bounds, in one
         transaction: a failure leaves the store as it was."""
-        response = _dumps(stored.response)
-        input_items = _dumps(stored.input_items)
-        messages = _dumps(stored.messages)
-        size = sum(len(text.encode("utf-8")) for text in (response, input_items, messages))
+        response, input_items, messages, size = encode_stored(stored)
         with self._lock:
             conn = self._connection()
             try:
@@ -262,18 +304,9 @@ class SQLiteResponseStore:
         if row is None:
             return None
         created_at, response, input_items, messages = row
-        try:
-            return StoredResponse(
-                id=response_id,
-                created_at=created_at,
-                response=json.loads(response),
-                input_items=json.loads(input_items),
-                messages=json.loads(messages),
-            )
-        except ValueError as e:
-            raise ResponseStoreError(
-                f"the responses store {self.path} holds unreadable JSON for {response_id}: {e}"
-            ) from e
+        return decode_stored(
+            response_id, created_at, response, input_items, messages, where=str(self.path)
+        )
 
     def delete(self, response_id: str) -> bool:
         """Delete the response; False when there was none, or only an expired one (which `get`
@@ -320,6 +353,9 @@ def _split_sql(script: str) -> list[str]:
 
 SQLITE_FILE_NAME = "responses.sqlite3"
 
+# The URL schemes redis-py's `Redis.from_url` accepts: TCP, TLS, and a Unix socket.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 
 def open_response_store(
     spec: str, cache_dir: Path, max_age_s: float, max_bytes: int
@@ -328,8 +364,10 @@ def open_response_store(
 
     `sqlite`: `<cache_dir>/responses.sqlite3`, next to the converted models, so that a default
     server keeps its conversations across restarts with no setting. `sqlite:///abs/path.sqlite3`:
-    that file. `none`: nothing is stored. Anything else raises ValueError at start-up rather than
-    at the first `store: true` request.
+    that file. `redis://host:port/db` (or `rediss://`, `unix:///path.sock`): a Redis server, so
+    that replicas behind one load balancer share their stored responses. `none`: nothing is
+    stored. Anything else raises ValueError at start-up rather than at the first `store: true`
+    request.
     """
     if spec == "none":
         return NoResponseStore()
@@ -343,7 +381,12 @@ def open_response_store(
                 "as in sqlite:///var/lib/pagedserve/responses.sqlite3"
             )
         return SQLiteResponseStore(Path(path), max_age_s, max_bytes)
+    if spec.startswith(REDIS_SCHEMES):
+        # Imported here: the redis package is needed only by servers that use it.
+        from server.responses_store_redis import RedisResponseStore
+
+        return RedisResponseStore(spec, max_age_s, max_bytes)
     raise ValueError(
-        f"--responses-store {spec!r} is not supported yet: use 'sqlite', "
-        "'sqlite:///abs/path.sqlite3' or 'none'"
+        f"--responses-store {spec!r} is not supported: use 'sqlite', "
+        "'sqlite:///abs/path.sqlite3', 'redis://host:port/db' (or rediss://, unix://) or 'none'"
     )

@@ -127,3 +127,25 @@ def client(server):
         base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
     ) as c:
         yield c
+
+
+# --------------------------------------------------------------------------- redis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server for the session (tests/redis_server.py); its redis:// URL."""
+    from tests.redis_server import running_redis
+
+    with running_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The session's redis-server, emptied first: each test starts with nothing stored."""
+    from redis import Redis
+
+    with Redis.from_url(redis_server) as client:
+        client.flushall()
+    return redis_server

@@ -1,11 +1,13 @@
-"""The Responses API store: round trips, restarts, bounds, threads and bad settings, on real
-SQLite files."""
+"""The Responses API store: the contract every backend keeps (round trips, replacing, the age
+and size bounds, threads), run on SQLite files and on a real Redis server, then what is SQLite's
+own (restarts, schema, bad files and locks) and the settings that choose a store."""
 
 from __future__ import annotations
 
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,52 +19,164 @@ from server.responses_store import (
     ResponseStore,
     ResponseStoreError,
     SQLiteResponseStore,
-    StoredResponse,
     open_response_store,
 )
+from tests.responses_backends import (
+    BIG,
+    DAY,
+    Backend,
+    RedisBackend,
+    SQLiteBackend,
+    json_size,
+    make,
+)
 
-DAY = 24 * 3600.0
-BIG = 1 << 30
 
-
-def make(response_id: str, created_at: float | None = None, text: str = "hi") -> StoredResponse:
-    return StoredResponse(
-        id=response_id,
-        created_at=time.time() if created_at is None else created_at,
-        response={"id": response_id, "object": "response", "output_text": text, "n": 1.5},
-        input_items=[{"id": f"msg_{response_id}", "type": "message", "role": "user"}],
-        messages=[
-            {"role": "user", "content": "Grüße, 世界"},
-            {"role": "assistant", "content": text},
-        ],
-    )
+@pytest.fixture(params=["sqlite", "redis"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """Each contract test runs on both backends; the Redis one on the session's redis-server,
+    emptied."""
+    chosen: Backend
+    if request.param == "sqlite":
+        chosen = SQLiteBackend(tmp_path / "r.sqlite3")
+    else:
+        chosen = RedisBackend(request.getfixturevalue("redis_url"))
+    yield chosen
+    chosen.close()
 
 
 def rows(path: Path) -> dict[str, int]:
-    """What the file itself holds, read behind the store's back: id -> size."""
-    with sqlite3.connect(path) as conn:
-        return dict(conn.execute("SELECT id, size FROM responses").fetchall())
+    """What a SQLite file itself holds, read behind the store's back: id -> size."""
+    return SQLiteBackend(path).held()
 
 
-def total_bytes(path: Path) -> int:
-    with sqlite3.connect(path) as conn:
-        return int(conn.execute("SELECT total_bytes FROM usage").fetchone()[0])
+# --------------------------------------------------------------------------- every backend
 
 
-def test_put_get_delete_round_trip(tmp_path: Path) -> None:
-    store = SQLiteResponseStore(tmp_path / "r.sqlite3", DAY, BIG)
+def test_put_get_delete_round_trip(backend: Backend) -> None:
+    store = backend.open(DAY, BIG)
     stored = make("resp_1")
     store.put(stored)
     assert store.get("resp_1") == stored  # every field, non-ASCII text and floats included
+    # The size bound counts UTF-8 bytes of the JSON, not characters.
+    assert backend.held() == {"resp_1": json_size(stored)}
+    assert backend.total_bytes() == json_size(stored)
     assert store.get("resp_2") is None
     assert store.delete("resp_1") is True
     assert store.get("resp_1") is None
     assert store.delete("resp_1") is False
     assert store.delete("never") is False
+    assert backend.held() == {}
+    assert backend.total_bytes() == 0
     store.close()
     store.close()  # idempotent
     with pytest.raises(ResponseStoreError, match="closed"):
         store.get("resp_1")
+    with pytest.raises(ResponseStoreError, match="closed"):
+        store.put(make("resp_1"))
+    with pytest.raises(ResponseStoreError, match="closed"):
+        store.delete("resp_1")
+
+
+def test_put_replaces_an_existing_id(backend: Backend) -> None:
+    store = backend.open(DAY, BIG)
+    store.put(make("resp_1", text="first"))
+    store.put(make("resp_1", text="second, and longer"))
+    got = store.get("resp_1")
+    assert got is not None and got.response["output_text"] == "second, and longer"
+    assert list(backend.held()) == ["resp_1"]
+    # The byte total counts the replacement only, not both versions.
+    assert backend.total_bytes() == backend.held()["resp_1"]
+    store.close()
+
+
+def test_expired_rows_are_not_returned_and_are_deleted_on_put(backend: Backend) -> None:
+    store = backend.open(60.0, BIG)
+    now = time.time()
+    store.put(make("old", created_at=now - 120))
+    assert store.get("old") is None  # expired, even before any put deletes it
+    assert store.delete("old") is False  # agrees with get
+    store.put(make("old2", created_at=now - 120))
+    store.put(make("fresh", created_at=now))
+    assert set(backend.held()) == {"fresh"}  # the put deleted the expired row
+    assert store.get("fresh") is not None
+    assert backend.total_bytes() == backend.held()["fresh"]
+    store.close()
+
+
+def test_tiny_max_age_expires_within_milliseconds(backend: Backend) -> None:
+    store = backend.open(0.02, BIG)
+    store.put(make("resp_1"))
+    assert store.get("resp_1") is not None
+    time.sleep(0.05)
+    assert store.get("resp_1") is None
+    store.close()
+
+
+def test_size_bound_evicts_oldest_first_and_keeps_the_newest(backend: Backend) -> None:
+    probe = backend.open(DAY, BIG)
+    probe.put(make("resp_0"))
+    size = backend.held()["resp_0"]  # all ids have the same length
+    probe.delete("resp_0")
+    probe.close()
+
+    store = backend.open(DAY, 3 * size)  # room for three
+    now = time.time()
+    # Put out of age order: eviction follows created_at, not the order of puts.
+    for i in (2, 0, 1, 3):
+        store.put(make(f"resp_{i}", created_at=now - 100 + i))
+    assert set(backend.held()) == {"resp_1", "resp_2", "resp_3"}
+    store.put(make("resp_4", created_at=now))
+    assert set(backend.held()) == {"resp_2", "resp_3", "resp_4"}
+    assert store.get("resp_4") is not None
+    assert store.get("resp_1") is None
+    assert backend.total_bytes() == 3 * size
+    store.close()
+
+
+def test_a_response_larger_than_the_bound_is_kept_alone(backend: Backend) -> None:
+    store = backend.open(DAY, 10)
+    store.put(make("resp_1"))
+    store.put(make("resp_2"))
+    assert set(backend.held()) == {"resp_2"}  # everything older went; the newest stays
+    assert store.get("resp_2") is not None
+    assert backend.total_bytes() == backend.held()["resp_2"] > 10
+    # Even the oldest, when it is the one just put.
+    store.put(make("resp_0", created_at=time.time() - 100))
+    assert set(backend.held()) == {"resp_0"}
+    store.close()
+
+
+def test_concurrent_puts_and_gets_from_eight_threads(backend: Backend) -> None:
+    store = backend.open(DAY, BIG)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        try:
+            start.wait()
+            for i in range(40):
+                stored = make(f"resp_{t}_{i}", text=f"{t}:{i}")
+                store.put(stored)
+                got = store.get(stored.id)
+                assert got is not None and got.response["output_text"] == f"{t}:{i}"
+                if i % 4 == 0:
+                    assert store.delete(stored.id) is True
+        except BaseException as e:  # noqa: BLE001 - any failure in a thread fails the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(backend.held()) == 8 * 30
+    assert backend.total_bytes() == sum(backend.held().values())
+    store.close()
+
+
+# --------------------------------------------------------------------------- SQLite's own
 
 
 def test_json_is_stored_as_text_without_escapes(tmp_path: Path) -> None:
@@ -88,7 +202,8 @@ def test_survives_reopening(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert total_bytes(path) == sum(rows(path).values())
+    on_disk = SQLiteBackend(path)
+    assert on_disk.total_bytes() == sum(on_disk.held().values())
     again.close()
 
 
@@ -98,103 +213,6 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(ResponseStoreError, match="newer"):
         SQLiteResponseStore(path, DAY, BIG)
-
-
-def test_put_replaces_an_existing_id(tmp_path: Path) -> None:
-    path = tmp_path / "r.sqlite3"
-    store = SQLiteResponseStore(path, DAY, BIG)
-    store.put(make("resp_1", text="first"))
-    store.put(make("resp_1", text="second, and longer"))
-    got = store.get("resp_1")
-    assert got is not None and got.response["output_text"] == "second, and longer"
-    assert list(rows(path)) == ["resp_1"]
-    # The byte total counts the replacement only, not both versions.
-    assert total_bytes(path) == rows(path)["resp_1"]
-    store.close()
-
-
-def test_expired_rows_are_not_returned_and_are_deleted_on_put(tmp_path: Path) -> None:
-    path = tmp_path / "r.sqlite3"
-    store = SQLiteResponseStore(path, 60.0, BIG)
-    now = time.time()
-    store.put(make("old", created_at=now - 120))
-    assert store.get("old") is None  # expired, even before any put deletes it
-    assert store.delete("old") is False  # agrees with get
-    store.put(make("old2", created_at=now - 120))
-    store.put(make("fresh", created_at=now))
-    assert set(rows(path)) == {"fresh"}  # the put deleted the expired row
-    assert store.get("fresh") is not None
-    assert total_bytes(path) == rows(path)["fresh"]
-    store.close()
-
-
-def test_tiny_max_age_expires_within_milliseconds(tmp_path: Path) -> None:
-    store = SQLiteResponseStore(tmp_path / "r.sqlite3", 0.02, BIG)
-    store.put(make("resp_1"))
-    assert store.get("resp_1") is not None
-    time.sleep(0.05)
-    assert store.get("resp_1") is None
-    store.close()
-
-
-def test_size_bound_evicts_oldest_first_and_keeps_the_newest(tmp_path: Path) -> None:
-    path = tmp_path / "r.sqlite3"
-    probe = SQLiteResponseStore(tmp_path / "probe.sqlite3", DAY, BIG)
-    probe.put(make("resp_0"))
-    size = rows(tmp_path / "probe.sqlite3")["resp_0"]  # all ids have the same length
-    probe.close()
-
-    store = SQLiteResponseStore(path, DAY, 3 * size)  # room for three
-    now = time.time()
-    # Put out of age order: eviction follows created_at, not the order of puts.
-    for i in (2, 0, 1, 3):
-        store.put(make(f"resp_{i}", created_at=now - 100 + i))
-    assert set(rows(path)) == {"resp_1", "resp_2", "resp_3"}
-    store.put(make("resp_4", created_at=now))
-    assert set(rows(path)) == {"resp_2", "resp_3", "resp_4"}
-    assert store.get("resp_4") is not None
-    assert total_bytes(path) == 3 * size <= store.max_bytes
-    store.close()
-
-
-def test_a_response_larger_than_the_bound_is_kept_alone(tmp_path: Path) -> None:
-    path = tmp_path / "r.sqlite3"
-    store = SQLiteResponseStore(path, DAY, 10)
-    store.put(make("resp_1"))
-    store.put(make("resp_2"))
-    assert set(rows(path)) == {"resp_2"}  # everything older went; the newest stays
-    assert store.get("resp_2") is not None
-    store.close()
-
-
-def test_concurrent_puts_and_gets_from_eight_threads(tmp_path: Path) -> None:
-    path = tmp_path / "r.sqlite3"
-    store = SQLiteResponseStore(path, DAY, BIG)
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
-
-    def work(t: int) -> None:
-        try:
-            start.wait()
-            for i in range(40):
-                stored = make(f"resp_{t}_{i}", text=f"{t}:{i}")
-                store.put(stored)
-                got = store.get(stored.id)
-                assert got is not None and got.response["output_text"] == f"{t}:{i}"
-                if i % 4 == 0:
-                    assert store.delete(stored.id) is True
-        except BaseException as e:  # noqa: BLE001 - any failure in a thread fails the test
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
-    assert len(rows(path)) == 8 * 30
-    assert total_bytes(path) == sum(rows(path).values())
-    store.close()
 
 
 def test_none_stores_nothing(tmp_path: Path) -> None:
@@ -207,9 +225,11 @@ def test_none_stores_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("spec", ["redis://localhost:6379", "postgres://x", "SQLite", ""])
+@pytest.mark.parametrize(
+    "spec", ["redis:/localhost", "memcached://x", "postgres://x", "SQLite", ""]
+)
 def test_an_unknown_spec_is_refused(tmp_path: Path, spec: str) -> None:
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match=r"not supported: use .*'redis://host:port/db'"):
         open_response_store(spec, tmp_path, DAY, BIG)
 
 
