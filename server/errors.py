@@ -80,7 +80,13 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_dead(exc)
     if isinstance(exc, ResponseStoreError):  # the server's storage, not the request, failed
-        return APIError(503, str(exc), type="service_unavailable", code="response_store_error")
+        log.error("%s", exc)  # its address and cause are for the operator, not the client
+        return APIError(
+            503,
+            "the response store is unavailable; try again later",
+            type="service_unavailable",
+            code="response_store_error",
+        )
     return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
+from tests.redis_server import running_redis
 from tests.server_harness import (
     MAX_MODEL_LEN as TINY_CONTEXT,
 )
@@ -389,3 +391,48 @@ def test_readme_responses_examples_run(server: RunningServer) -> None:
 
     printed = run([sys.executable, "-c", snippet.replace("http://localhost:8000", server.url)])
     assert printed.startswith("Sunny in ") and printed.strip() != "Sunny in"
+
+
+def test_two_servers_share_a_redis_store(default_engine: AsyncEngine, tmp_path: Path) -> None:
+    """Replicas behind one load balancer: a response created on one continues on the other;
+    when Redis goes down the store's routes answer 503 and the rest keeps serving."""
+    with ExitStack() as servers:
+        with running_redis(tmp_path / "redis") as url:
+            config = ServerConfig(served_model_name=[MODEL], responses_store=url)
+            one, two = (RunningServer(default_engine, config) for _ in range(2))
+            servers.callback(one.stop)
+            servers.callback(two.stop)
+            first = servers.enter_context(
+                openai.OpenAI(base_url=one.url + "/v1", api_key="x", max_retries=0)
+            )
+            second = servers.enter_context(
+                openai.OpenAI(base_url=two.url + "/v1", api_key="x", max_retries=0)
+            )
+            started = first.responses.create(
+                model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8
+            )
+            assert second.responses.retrieve(started.id).output_text == started.output_text
+            went_on = second.responses.create(
+                model=MODEL,
+                input="What is my name?",
+                previous_response_id=started.id,
+                max_output_tokens=4,
+            )
+            assert went_on.usage is not None and started.usage is not None
+            assert went_on.usage.input_tokens > started.usage.input_tokens
+            listed = first.responses.input_items.list(went_on.id).data
+            assert [i.type for i in listed] == ["message"]
+        # Redis has stopped: storing, reading and continuing are 503s, nothing else is.
+        http = servers.enter_context(httpx.Client(base_url=one.url, timeout=60))
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+        for response in (
+            http.post("/v1/responses", json=body),
+            http.post("/v1/responses", json={**body, "previous_response_id": started.id}),
+            http.get(f"/v1/responses/{started.id}"),
+            http.delete(f"/v1/responses/{started.id}"),
+        ):
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "response_store_error" and "redis" not in error["message"]
+        assert http.post("/v1/responses", json={**body, "store": False}).status_code == 200
+        assert http.get("/health").status_code == 200
