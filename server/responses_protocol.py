@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -52,7 +52,10 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool = True
     text: TextSettings | None = None
     reasoning: ReasoningSettings | None = None
-    metadata: dict[str, str] | None = None
+    # OpenAI's bounds: 16 pairs, keys of up to 64 characters, values of up to 512.
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = Field(None, max_length=16)
     user: str | None = None
     stream: bool = False
     store: bool = True

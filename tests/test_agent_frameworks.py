@@ -1,13 +1,15 @@
 """Agent frameworks as clients, over real HTTP against the default model: LangChain's ChatOpenAI
-(structured output, bound tools, streamed tool calls) and the OpenAI Agents SDK (a function tool
-called and run, a typed final output). Each sends its own request shapes (strict schemas,
-parallel_tool_calls, stream_options), which the server must take as OpenAI would."""
+(structured output, bound tools, streamed tool calls) and the OpenAI Agents SDK, on chat
+completions and on its default Responses model (a function tool called and run, a typed final
+output). Each sends its own request shapes (strict schemas, parallel_tool_calls, stream_options,
+Responses items), which the server must take as OpenAI would."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+import logging
 import operator
 from typing import Any
 
@@ -62,53 +64,20 @@ def test_langchain_bound_tools_whole_and_streamed(chat_model: Any) -> None:
     assert [(c["name"], c["args"]) for c in gathered.tool_calls] == [(call["name"], call["args"])]
 
 
-def test_openai_agents_sdk_runs_a_tool_and_returns_a_typed_output(server: RunningServer) -> None:
+@pytest.mark.parametrize(
+    ("api", "streamed"),
+    [("chat", False), ("responses", False), ("responses", True)],
+    ids=["chat-completions", "responses", "responses-streamed"],
+)
+def test_openai_agents_sdk_runs_a_tool_and_returns_a_typed_output(
+    server: RunningServer, api: str, streamed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the chat completions adapter and on the SDK's default Responses model, run and
+    streamed, with no warning from the SDK."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from agents.items import ToolCallItem, ToolCallOutputItem
-    from openai import AsyncOpenAI
-
-    set_tracing_disabled(True)  # no traces sent anywhere
-
-    async def run() -> tuple[Any, Any]:
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
-        settings = ModelSettings(temperature=0, max_tokens=60)
-        caller = Agent(
-            name="weather",
-            instructions="Answer with the weather tool.",
-            tools=[function_tool(get_weather)],
-            model=model,
-            model_settings=settings.resolve(ModelSettings(tool_choice="required")),
-            tool_use_behavior="stop_on_first_tool",  # the tool's answer is the final output
-        )
-        called = await Runner.run(caller, "What is the weather in Paris?", max_turns=2)
-        typed = Agent(name="cities", instructions="Name a city.", model=model, output_type=City)
-        named = await Runner.run(typed, "Name a city in France.", max_turns=1)
-        await client.close()
-        return called, named
-
-    called, named = asyncio.run(run())
-    calls = [i for i in called.new_items if isinstance(i, ToolCallItem)]
-    outputs = [i for i in called.new_items if isinstance(i, ToolCallOutputItem)]
-    assert len(calls) == 1 and len(outputs) == 1
-    city = json.loads(calls[0].raw_item.arguments)["city"]
-    assert called.final_output == f"Sunny in {city}"
-    assert isinstance(named.final_output, City)
-
-
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-def test_openai_agents_sdk_default_responses_model(server: RunningServer, streamed: bool) -> None:
-    """The Agents SDK's default model class talks to /v1/responses."""
-    from agents import (
-        Agent,
-        ModelSettings,
         OpenAIResponsesModel,
         Runner,
         function_tool,
@@ -118,6 +87,7 @@ def test_openai_agents_sdk_default_responses_model(server: RunningServer, stream
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no traces sent anywhere
+    caplog.set_level(logging.WARNING, logger="openai.agents")
 
     async def run_agent(agent: Any, text: str, max_turns: int) -> Any:
         if not streamed:
@@ -129,7 +99,8 @@ def test_openai_agents_sdk_default_responses_model(server: RunningServer, stream
 
     async def run() -> tuple[Any, Any]:
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        model = model_class(model=MODEL, openai_client=client)
         settings = ModelSettings(temperature=0, max_tokens=60)
         caller = Agent(
             name="weather",
@@ -137,7 +108,7 @@ def test_openai_agents_sdk_default_responses_model(server: RunningServer, stream
             tools=[function_tool(get_weather)],
             model=model,
             model_settings=settings.resolve(ModelSettings(tool_choice="required")),
-            tool_use_behavior="stop_on_first_tool",
+            tool_use_behavior="stop_on_first_tool",  # the tool's answer is the final output
         )
         called = await run_agent(caller, "What is the weather in Paris?", 2)
         typed = Agent(
@@ -158,3 +129,4 @@ def test_openai_agents_sdk_default_responses_model(server: RunningServer, stream
     city = json.loads(calls[0].raw_item.arguments)["city"]
     assert called.final_output == f"Sunny in {city}"
     assert isinstance(named.final_output, City)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("openai.agents")] == []

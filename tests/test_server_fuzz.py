@@ -44,6 +44,7 @@ BODY_ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/responses"),
 ]
 # No body and no parameter that could be of a wrong type (a path segment is always a string):
 # only valid requests exist, so the negative mode has nothing to generate.
@@ -53,6 +54,9 @@ PLAIN_ROUTES = [
     ("GET", "/health"),
     ("GET", "/version"),
     ("GET", "/metrics"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
+    ("DELETE", "/v1/responses/{response_id}"),
 ]
 
 

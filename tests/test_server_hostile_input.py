@@ -159,7 +159,12 @@ WRONG_TYPES = [
 ]
 
 HUGE_AND_NEGATIVE = [
-    bad("max_tokens-1e30", completion(max_tokens=10**30), "max_tokens"),
+    bad(
+        "max_tokens-1e30",
+        completion(max_tokens=10**30),
+        "max_tokens",
+        code="context_length_exceeded",
+    ),
     bad(
         "max_tokens-5000-digits",
         raw('{"prompt": "Hello", "max_tokens": 1' + "0" * 5000 + "}"),
@@ -501,6 +506,7 @@ TOKENS = [
         "prompt-beyond-context",
         completion(prompt=[1] * (MAX_MODEL_LEN + 1), max_tokens=1),
         "prompt",
+        code="context_length_exceeded",
     ),
     bad("prompt-empty-batch", completion(prompt=[[]]), "prompt"),
     # The last of 500 prompts is refused: none of the 499 before it may have reached the engine.

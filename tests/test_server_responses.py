@@ -7,9 +7,6 @@ input items, delete), and OpenAI-shaped 400s/404s."""
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +19,7 @@ import pytest
 
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
+from tests.readme import run_example, section_examples
 from tests.redis_server import running_redis
 from tests.server_harness import (
     MAX_MODEL_LEN as TINY_CONTEXT,
@@ -246,6 +244,7 @@ BAD = [
         "text.format",
     ),
     ({"max_output_tokens": 9000}, "max_output_tokens"),
+    ({"metadata": {str(i): "x" for i in range(17)}}, "metadata"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
 ]
 
@@ -373,23 +372,13 @@ def test_truncation_auto_drops_the_oldest_turns(tiny_server: RunningServer) -> N
 
 def test_readme_responses_examples_run(server: RunningServer) -> None:
     """The curl and Agents SDK examples of the README's Responses API section, as written."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text[text.index("### Responses API") :]
-    section = section[: section.index("\n### ", 1)]
-    (curl,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-
-    def run(argv: list[str]) -> str:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    reply = json.loads(run(["bash", "-c", curl.replace("http://localhost:8000", server.url)]))
+    curl, snippet = section_examples("Responses API")
+    reply = json.loads(run_example(server.url, "bash", curl))
     assert reply["object"] == "response" and reply["instructions"] == "Answer in one word."
     (message,) = reply["output"]
     assert message["type"] == "message" and message["content"][0]["text"].strip()
 
-    printed = run([sys.executable, "-c", snippet.replace("http://localhost:8000", server.url)])
+    printed = run_example(server.url, "python", snippet)
     assert printed.startswith("Sunny in ") and printed.strip() != "Sunny in"
 
 

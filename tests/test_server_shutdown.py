@@ -5,6 +5,7 @@ fails mid-step fails the requests in flight and makes the process exit 1, never 
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -121,3 +122,38 @@ def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: P
     log = daemon.log.read_text()
     assert "Traceback" in log and "RuntimeError: injected fault" in log
     assert "stopped (exit status 1)" in log
+
+
+def test_engine_failure_mid_response_stream_ends_it_failed(tmp_path: Path, qwen3_dir: Path) -> None:
+    """A Responses stream cut by an engine failure ends with an `error` event and then
+    `response.failed`, numbered in order like every event before them."""
+    daemon = start_daemon(
+        tmp_path,
+        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"]
+        + ["--responses-store", "none"],
+        module="tests.faulty_serve",
+        env={"PAGEDSERVE_TEST_FAULT_AFTER": "3"},
+    )
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        stream = Stream(daemon.url, body).start()
+        assert stream.first_event.wait(60)
+        request = {"input": "Hi", "max_output_tokens": 200, "stream": True, "store": False}
+        events = []
+        with httpx.stream(
+            "POST", daemon.url + "/v1/responses", json=request, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: ") :]))
+        kinds = [event["type"] for event in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-2:] == ["error", "response.failed"]
+        assert "injected fault" in events[-2]["message"]
+        assert events[-1]["response"]["status"] == "failed"
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        stream.join(30)
+        assert daemon.wait(30) == 1
+    finally:
+        stop(daemon)

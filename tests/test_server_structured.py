@@ -15,6 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.readme import run_example, section_examples
 from tests.server_harness import RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -176,26 +177,12 @@ def test_bad_constraints_are_openai_400s(
 
 def test_readme_structured_examples_run(server: RunningServer) -> None:
     """The curl and SDK examples of the README's structured outputs section, as written."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text[text.index("### Structured outputs, tools and reasoning") :]
-    section = section[: section.index("\n### ", 1)]
-    (curl,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-
-    def run(argv: list[str]) -> str:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    reply = json.loads(run(["bash", "-c", curl.replace("http://localhost:8000", server.url)]))
+    curl, snippet = section_examples("Structured outputs, tools and reasoning")
+    reply = json.loads(run_example(server.url, "bash", curl))
     person = json.loads(reply["choices"][0]["message"]["content"])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
 
-    printed = run([sys.executable, "-c", snippet.replace("http://localhost:8000", server.url)])
+    printed = run_example(server.url, "python", snippet)
     city, call = printed.strip().splitlines()
     assert city.startswith("name=") and "country=" in city
     name, arguments = call.split(" ", 1)
