@@ -36,7 +36,7 @@ from server.tool_choice import ToolPlan, plan_tools
 from server.usage import RunningUsage
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedChat:
     """A chat request made ready for the engine: what /v1/chat/completions and /v1/responses
     share (one engine path: the same prompt, parameters, grammar and parsers)."""

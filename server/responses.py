@@ -193,6 +193,7 @@ class _Run:
             self.response.update(
                 status="failed",
                 error={"code": error.code or "server_error", "message": error.message},
+                output=builder.output,  # what was streamed before the failure
             )
             yield self._sse({"type": "response.failed", "response": self.response})
             return

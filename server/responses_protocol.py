@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from server.protocol import Int, JsonSchemaFormat, Text, _Request
+from server.protocol import Int, Text, _Request
 
 
 class FunctionTool(_Request):
@@ -72,11 +72,3 @@ class ResponsesRequest(_Request):
     def text_format(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None else None
         return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
-
-    def json_schema(self) -> JsonSchemaFormat | None:
-        fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type != "json_schema":
-            return None
-        return JsonSchemaFormat.model_validate(
-            {"name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}
-        )

@@ -20,7 +20,6 @@ from pydantic import BaseModel
 from server.errors import as_api_error
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 DONE = "data: [DONE]\n\n"
 
@@ -99,7 +98,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def last_output(outputs: AsyncIterator[R]) -> R:
+async def last_output(outputs: AsyncIterator[T]) -> T:
     """The last of `outputs`: a whole (non-streamed) answer is the final state of its request."""
     final = None
     async for output in outputs:

@@ -151,7 +151,11 @@ def test_engine_failure_mid_response_stream_ends_it_failed(tmp_path: Path, qwen3
         assert kinds[:2] == ["response.created", "response.in_progress"]
         assert kinds[-2:] == ["error", "response.failed"]
         assert "injected fault" in events[-2]["message"]
-        assert events[-1]["response"]["status"] == "failed"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed"
+        streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        kept = [p["text"] for i in failed["output"] if i["type"] == "message" for p in i["content"]]
+        assert "".join(kept) == streamed  # the output streamed before the failure
         assert [event["sequence_number"] for event in events] == list(range(len(events)))
         stream.join(30)
         assert daemon.wait(30) == 1
