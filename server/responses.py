@@ -52,12 +52,13 @@ async def create_response(
             )
         history = previous.messages
     messages, stored_items = input_messages(req.input)
-    prepared = await _prepare(state, req, history + messages)
+    conversation = history + messages
+    prepared = await _prepare(state, req, conversation)
     response = _skeleton(req, model)
     outputs = state.generate(
         request, prepared.prompt_ids, prepared.params, response["id"], prepared.prompt_ids
     )
-    run = _Run(state, store, req, prepared, response, history + messages, stored_items)
+    run = _Run(state, store, req, prepared, response, conversation, stored_items)
     if req.stream:
         return StreamingResponse(run.events(outputs), media_type="text/event-stream")
 

@@ -110,27 +110,14 @@ class OutputBuilder:
                 )
         item = self._open
         assert item is not None
-        if kind == "message":
+        if kind in ("message", "reasoning"):  # both grow their one text part
             item["content"][0]["text"] += text
-            events.append(
-                {
-                    "type": "response.output_text.delta",
-                    **self._where(),
-                    "content_index": 0,
-                    "delta": text,
-                    "logprobs": [],
-                }
-            )
-        elif kind == "reasoning":
-            item["content"][0]["text"] += text
-            events.append(
-                {
-                    "type": "response.reasoning_text.delta",
-                    **self._where(),
-                    "content_index": 0,
-                    "delta": text,
-                }
-            )
+            name = "output_text" if kind == "message" else "reasoning_text"
+            event = {"type": f"response.{name}.delta", **self._where(), "content_index": 0}
+            event["delta"] = text
+            if kind == "message":
+                event["logprobs"] = []
+            events.append(event)
         else:
             item["arguments"] += text
             events.append(

@@ -317,6 +317,23 @@ def test_store_none_keeps_nothing(default_engine: AsyncEngine) -> None:
         running.stop()
 
 
+def start_conversation(sdk: openai.OpenAI) -> Any:
+    return sdk.responses.create(
+        model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8
+    )
+
+
+def continue_conversation(sdk: openai.OpenAI, started: Any) -> Any:
+    """`started` (stored through another server) found and continued through `sdk`'s server."""
+    assert sdk.responses.retrieve(started.id).output_text == started.output_text
+    went_on = sdk.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=started.id, max_output_tokens=4
+    )
+    assert went_on.usage is not None and started.usage is not None
+    assert went_on.usage.input_tokens > started.usage.input_tokens
+    return went_on
+
+
 def test_sqlite_store_survives_a_restart(default_engine: AsyncEngine, tmp_path: Path) -> None:
     config = ServerConfig(
         served_model_name=[MODEL], responses_store=f"sqlite://{tmp_path}/responses.sqlite3"
@@ -324,23 +341,13 @@ def test_sqlite_store_survives_a_restart(default_engine: AsyncEngine, tmp_path: 
     before = RunningServer(default_engine, config)
     try:
         with openai.OpenAI(base_url=before.url + "/v1", api_key="x", max_retries=0) as sdk:
-            first = sdk.responses.create(
-                model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8
-            )
+            first = start_conversation(sdk)
     finally:
         before.stop()
     after = RunningServer(default_engine, config)
     try:
         with openai.OpenAI(base_url=after.url + "/v1", api_key="x", max_retries=0) as sdk:
-            assert sdk.responses.retrieve(first.id).output_text == first.output_text
-            again = sdk.responses.create(
-                model=MODEL,
-                input="What is my name?",
-                previous_response_id=first.id,
-                max_output_tokens=4,
-            )
-            assert again.usage is not None and first.usage is not None
-            assert again.usage.input_tokens > first.usage.input_tokens
+            continue_conversation(sdk, first)
     finally:
         after.stop()
 
@@ -397,18 +404,8 @@ def test_two_servers_share_a_redis_store(default_engine: AsyncEngine, tmp_path: 
             second = servers.enter_context(
                 openai.OpenAI(base_url=two.url + "/v1", api_key="x", max_retries=0)
             )
-            started = first.responses.create(
-                model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8
-            )
-            assert second.responses.retrieve(started.id).output_text == started.output_text
-            went_on = second.responses.create(
-                model=MODEL,
-                input="What is my name?",
-                previous_response_id=started.id,
-                max_output_tokens=4,
-            )
-            assert went_on.usage is not None and started.usage is not None
-            assert went_on.usage.input_tokens > started.usage.input_tokens
+            started = start_conversation(first)
+            went_on = continue_conversation(second, started)
             listed = first.responses.input_items.list(went_on.id).data
             assert [i.type for i in listed] == ["message"]
         # Redis has stopped: storing, reading and continuing are 503s, nothing else is.
