@@ -7,6 +7,7 @@ ranks can each run their own runner on the same input.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -19,6 +20,7 @@ from engine.model_spec import ModelSpec
 from engine.models.interface import CausalLM
 from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, build_backend
+from kernels.cpu.huge_pages import huge_page_zeros, transparent_huge_pages
 from kernels.cpu.malloc import keep_freed_memory
 from kernels.kv_store import copy_blocks
 
@@ -55,6 +57,12 @@ class ModelRunner:
         self.kv_caches = []  # the old pool goes before the new one is made
         info = self.spec.info
         shape = (num_blocks, self.spec.block_size, self.spec.kv_heads_per_rank, info.head_dim)
+        if self.device.type == "cpu":
+            # One pool on huge pages: decode reads it block by block (kernels/cpu/huge_pages.py).
+            pool = huge_page_zeros(2 * info.num_layers * math.prod(shape), self.spec.dtype)
+            layers = pool.view(info.num_layers, 2, *shape)
+            self.kv_caches = [(layer[0], layer[1]) for layer in layers]
+            return
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
@@ -78,6 +86,13 @@ class ModelRunner:
                 gib,
                 per_rank,
             )
+            if self.device.type == "cpu" and transparent_huge_pages() not in ("always", "madvise"):
+                log.info(
+                    "KV cache on 4 KiB pages: the kernel's transparent huge pages are %s "
+                    "(%s); decode attention reads the cache slower on them",
+                    transparent_huge_pages(),
+                    "/sys/kernel/mm/transparent_hugepage/enabled",
+                )
         if self.use_cuda_graphs:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(
