@@ -10,6 +10,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 
@@ -28,18 +31,42 @@ inline f16v load(const float* p) {
     return v;
 }
 inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
+// bfloat16 is the top half of a float32: widening its bits and shifting them up is exact. On
+// AVX-512 both directions are spelled with intrinsics: the generic vector code compiled to two
+// or three times the instructions (a split widening, a permute to narrow), and these ops are
+// compute-bound at prefill sizes (silu_mul over 2,048 x 3,072 took 1.7 ms, a copy of its output
+// 0.25 ms).
 inline f16v load(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<f16v>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#else
     u16x16 h;
     std::memcpy(&h, p, sizeof h);
     const u16x32 w = __builtin_convertvector(h, u16x32) << 16;
     return reinterpret_cast<const f16v&>(w);
+#endif
 }
+// Round to nearest even, as c10::BFloat16 does. Where the CPU has AVX512-BF16 one instruction
+// does it (silu_mul 1.7 -> 1.2 ms at 2,048 x 3,072, the norms and rotary 1.6-2.4x faster); it
+// differs from c10 only off the numbers a model computes with: float32 subnormals (below
+// 1.2e-38) become zero, and a NaN keeps its sign and payload (c10 writes 0x7FC0). Checking for
+// those lanes and falling back cost more than the instruction saved.
 inline void store(c10::BFloat16* p, f16v v) {
+#if defined(__AVX512BF16__)
+    const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(h));
+#else
     const u16x32 bits = reinterpret_cast<const u16x32&>(v);
     u16x32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
     rounded = (bits & 0x7FFFFFFFu) > 0x7F800000u ? u16x32{} + 0x7FC0u : rounded;  // NaN stays NaN
+#if defined(__AVX512F__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(rounded)));
+#else
     const u16x16 h = __builtin_convertvector(rounded, u16x16);
     std::memcpy(p, &h, sizeof h);
+#endif
+#endif
 }
 inline f16v load(const c10::Half* p) {
     f16v v;
