@@ -104,6 +104,21 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.numel() - 1))
 
 
+def before_min_tokens(seq: Sequence) -> bool:
+    return seq.num_output_tokens < seq.params.min_tokens
+
+
+def takes_argmax(seq: Sequence) -> bool:
+    """Whether the row's token is its argmax as it stands: greedy, nothing to add or mask."""
+    params = seq.params
+    return (
+        params.greedy
+        and not params.logit_bias
+        and not params.uses_penalties
+        and not before_min_tokens(seq)
+    )
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         # Unseeded sequences share this generator; seeded ones carry their own.
@@ -116,9 +131,13 @@ class Sampler:
         if any(r.params.logprobs is not None for r in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         apply_grammar_masks(logits, [seq.grammar for seq in seqs])
+        # Rows that only take the argmax take it together: one reduction for all of them (max's
+        # indices: the first maximum, as argmax; 16 rows of 49,152: 0.17 ms, one argmax a row 1 ms).
+        plain = [takes_argmax(seq) for seq in seqs]
+        greedy = logits.max(dim=-1).indices.tolist() if any(plain) else []
         samples = []
         for i, seq in enumerate(seqs):
-            token = self._sample_row(logits[i], seq)
+            token = greedy[i] if plain[i] else self._sample_row(logits[i], seq)
             lp = None
             if raw_logprobs is not None and seq.params.logprobs is not None:
                 lp = position_logprobs(raw_logprobs[i], token, seq.params.logprobs)
@@ -127,7 +146,7 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         params = seq.params
-        too_early = seq.num_output_tokens < params.min_tokens
+        too_early = before_min_tokens(seq)
         if params.logit_bias or params.uses_penalties or too_early:
             row = row.clone()
             if params.logit_bias:

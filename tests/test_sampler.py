@@ -196,6 +196,27 @@ def test_logit_bias_is_added() -> None:
     torch.testing.assert_close(row, expected, rtol=0, atol=1e-6)
 
 
+def test_plain_greedy_rows_in_a_mixed_batch_take_the_first_maximum() -> None:
+    """Plain greedy rows are reduced together; rows with a temperature or min_tokens beside them
+    still go their own way, and ties go to the lowest token id, as argmax breaks them."""
+    logits = torch.zeros(4, VOCAB)
+    logits[0, [7, 30]] = 5.0  # a tie: token 7 wins
+    logits[1, [3, 40]] = 5.0  # min_tokens not reached, EOS (3) masked: token 40
+    logits[2, 9] = 50.0  # sampled at temperature 1: token 9 carries all the mass
+    logits[3, 45] = float("nan")  # a NaN is the maximum, as for argmax
+    eos_early = make_sequence(SamplingParams(temperature=0, min_tokens=2))
+    eos_early.eos_token_id = 3
+    seqs = [
+        make_sequence(SamplingParams(temperature=0)),
+        eos_early,
+        make_sequence(SamplingParams(temperature=1.0), seed=0),
+        make_sequence(SamplingParams(temperature=0)),
+    ]
+    tokens = [s.token_id for s in Sampler(seed=0)(logits.clone(), seqs)]
+    assert tokens == [7, 40, 9, 45]
+    assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
+
+
 def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logprobs() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
     top = logits.argmax(dim=-1).tolist()
