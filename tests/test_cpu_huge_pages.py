@@ -8,17 +8,31 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.cpu.huge_pages import (
-    HUGE_PAGE_BYTES,
-    huge_page_bytes,
-    huge_page_zeros,
-    transparent_huge_pages,
-)
+from kernels.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros, transparent_huge_pages
 
 THP_ON = transparent_huge_pages() in ("always", "madvise")
 needs_thp = pytest.mark.skipif(
     not THP_ON, reason=f"this kernel's transparent huge pages are {transparent_huge_pages()}"
 )
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """How many bytes of the mapping that holds `tensor` are on huge pages now (AnonHugePages
+    of its entry in /proc/self/smaps); 0 where that cannot be read."""
+    address = tensor.data_ptr()
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def test_thp_mode_is_read_from_the_kernel() -> None:

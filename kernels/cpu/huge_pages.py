@@ -41,32 +41,12 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     # A spare huge page: mmap aligns to 4 KiB only, and the tensor starts at the next 2 MiB.
     # Private: a shared anonymous mapping is shmem, which THP's `enabled` setting does not cover.
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    madvise = getattr(mapping, "madvise", None)
-    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         try:
-            madvise(mmap.MADV_HUGEPAGE)
+            mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP compiled out: ordinary pages
             pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype)
     return tensor.zero_()
-
-
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mapping that holds `tensor` are on huge pages now (AnonHugePages
-    of its entry in /proc/self/smaps); 0 where that cannot be read."""
-    address = tensor.data_ptr()
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return 0
-    inside = False
-    for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
