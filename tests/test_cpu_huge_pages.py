@@ -52,10 +52,10 @@ def test_zeros_start_on_a_huge_page_boundary(dtype: torch.dtype) -> None:
 @needs_thp
 def test_zeros_are_backed_by_huge_pages() -> None:
     t = huge_page_zeros(16 * HUGE_PAGE_BYTES // 2, torch.bfloat16)
-    assert (
-        huge_page_bytes(t) >= 8 * HUGE_PAGE_BYTES
-    )  # at least half: the kernel may be short of them
-    assert huge_page_bytes(torch.zeros(16)) == 0  # a small tensor on the ordinary heap
+    # At least half of its 16 MiB: the kernel may be short of free huge pages.
+    assert huge_page_bytes(t) >= 8 * HUGE_PAGE_BYTES
+    if transparent_huge_pages() == "madvise":  # only what asked for them has them
+        assert huge_page_bytes(torch.zeros(16)) == 0
 
 
 @needs_thp
@@ -67,9 +67,8 @@ def test_engine_kv_pool_is_one_huge_page_mapping(llama_dir: Path) -> None:
     assert all(
         k.untyped_storage().data_ptr() == first_k.untyped_storage().data_ptr() for k, _ in caches
     )
-    assert (
-        last_v.data_ptr() + last_v.nbytes - first_k.data_ptr() == 2 * len(caches) * first_k.nbytes
-    )
+    span = last_v.data_ptr() + last_v.nbytes - first_k.data_ptr()
+    assert span == 2 * len(caches) * first_k.nbytes
     assert huge_page_bytes(first_k) > 0
     # The engine writes and reads it: a prompt's K/V land in the pool.
     llm.generate(["The pool holds"], SamplingParams(max_tokens=2, temperature=0))
