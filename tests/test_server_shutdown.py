@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server_harness import Stream, start_daemon, stop, wait_for_status
+from tests.server_harness import Daemon, Stream, start_daemon, stop, wait_for_status
 
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
@@ -93,18 +93,32 @@ def test_second_signal_exits_at_once(tmp_path: Path, default_model_dir: Path) ->
     assert "second SIGINT: exiting now" in daemon.log.read_text()
 
 
-def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: Path) -> None:
+# A completion that outlives the engine in tests.faulty_serve (it fails at its fourth step).
+LONG_COMPLETION = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+def start_failing_daemon(tmp_path: Path, qwen3_dir: Path, *flags: str) -> tuple[Daemon, Stream]:
+    """The daemon with an engine that fails at its fourth step, and a long completion streaming
+    from it (its first event already in)."""
     daemon = start_daemon(
         tmp_path,
-        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"],
+        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256", *flags],
         module="tests.faulty_serve",
         env={"PAGEDSERVE_TEST_FAULT_AFTER": "3"},
     )
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-        stream = Stream(daemon.url, body).start()
+        stream = Stream(daemon.url, LONG_COMPLETION).start()
         assert stream.first_event.wait(60)
-        plain = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
+    except BaseException:
+        stop(daemon)
+        raise
+    return daemon, stream
+
+
+def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: Path) -> None:
+    daemon, stream = start_failing_daemon(tmp_path, qwen3_dir)
+    try:
+        plain = httpx.post(daemon.url + "/v1/completions", json=LONG_COMPLETION, timeout=60)
         assert plain.status_code == 500
         assert (
             plain.json()["error"]["type"] == "server_error"
@@ -127,17 +141,8 @@ def test_engine_failure_fails_in_flight_and_exits_1(tmp_path: Path, qwen3_dir: P
 def test_engine_failure_mid_response_stream_ends_it_failed(tmp_path: Path, qwen3_dir: Path) -> None:
     """A Responses stream cut by an engine failure ends with an `error` event and then
     `response.failed`, numbered in order like every event before them."""
-    daemon = start_daemon(
-        tmp_path,
-        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"]
-        + ["--responses-store", "none"],
-        module="tests.faulty_serve",
-        env={"PAGEDSERVE_TEST_FAULT_AFTER": "3"},
-    )
+    daemon, stream = start_failing_daemon(tmp_path, qwen3_dir, "--responses-store", "none")
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-        stream = Stream(daemon.url, body).start()
-        assert stream.first_event.wait(60)
         request = {"input": "Hi", "max_output_tokens": 200, "stream": True, "store": False}
         events = []
         with httpx.stream(
