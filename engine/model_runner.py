@@ -86,11 +86,12 @@ class ModelRunner:
                 gib,
                 per_rank,
             )
-            if self.device.type == "cpu" and transparent_huge_pages() not in ("always", "madvise"):
+            thp = transparent_huge_pages() if self.device.type == "cpu" else None
+            if thp is not None and thp not in ("always", "madvise"):
                 log.info(
                     "KV cache on 4 KiB pages: the kernel's transparent huge pages are %s "
                     "(%s); decode attention reads the cache slower on them",
-                    transparent_huge_pages(),
+                    thp,
                     "/sys/kernel/mm/transparent_hugepage/enabled",
                 )
         if self.use_cuda_graphs:
