@@ -18,6 +18,7 @@ from engine.model_input import HostBatch, PinnedUpload
 from engine.model_loader import load_model
 from engine.model_spec import ModelSpec
 from engine.models.interface import CausalLM
+from engine.models.layer_stack import stack_cpu_layers
 from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, build_backend
 from kernels.cpu.huge_pages import huge_page_zeros, transparent_huge_pages
@@ -163,6 +164,12 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         why_not = model.fuse_cpu_ops()
         if why_not is not None and shard.rank == 0:
             log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
+        why_not = stack_cpu_layers(model)
+        if shard.rank == 0:
+            if why_not is None:
+                log.info("decoder layers run in one C++ loop on the CPU (--enforce-eager: Python)")
+            else:
+                log.info("decoder layers run from Python: %s", why_not)
     backend = build_backend(spec.attention_backend)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:

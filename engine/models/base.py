@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,16 @@ FUSED_QKV_GATE_UP = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
+
+
+class LayerStackCall(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:
@@ -73,6 +83,8 @@ class DecoderModel(nn.Module):
         self.rotary: dict[str, RotaryEmbedding] = {}
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
         self.fused_ops: ModuleType | None = None
+        # All layers in one C++ call under the CPU attention backend (engine/models/layer_stack.py).
+        self.layer_stack: LayerStackCall | None = None
 
     # ------------------------------------------------------------ what a subclass provides
 
@@ -155,8 +167,11 @@ class DecoderModel(nn.Module):
         scale = self.embedding_scale()
         if scale is not None:  # in the activations' dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx)
+        if self.layer_stack is not None and backend.name == "cpu":
+            x = self.layer_stack(x, rope["default"], kv_caches, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, ctx)
         return self.norm(x, self.fused_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -36,7 +36,7 @@ NO_LIMIT = 2**31 - 1  # a query length limit that every chunk is within
 
 
 @dataclass(frozen=True)
-class _Chunk:
+class SdpaChunk:
     rows: slice  # its query rows in the step
     slots: torch.Tensor | None  # [keys] cache slots to gather; None: a fresh prompt's own K/V
     mask: torch.Tensor | None  # [rows, keys] additive mask; None: causal (`is_causal`)
@@ -55,7 +55,7 @@ def _plan(
     dtype: torch.dtype,
     device: torch.device,
     window: int | None,
-) -> list[_Chunk]:
+) -> list[SdpaChunk]:
     starts = itertools.accumulate(meta.query_lens, initial=0)
     chunks = []
     for i, (start, q_len, ctx) in enumerate(zip(starts, meta.query_lens, meta.context_lens)):
@@ -64,17 +64,29 @@ def _plan(
         rows = slice(start, start + q_len)
         if ctx == q_len:
             if window is None or window >= ctx:  # the window hides nothing
-                chunks.append(_Chunk(rows, None, None))
+                chunks.append(SdpaChunk(rows, None, None))
             else:
                 visible = visible_keys(q_len, ctx, device, window)
-                chunks.append(_Chunk(rows, None, _additive(visible, dtype)))
+                chunks.append(SdpaChunk(rows, None, _additive(visible, dtype)))
             continue
         # The first row's window starts earliest; keys before it are seen by no row.
         first = 0 if window is None else max(0, ctx - q_len + 1 - window)
         visible = visible_keys(q_len, ctx, device, window, first)
         slots = context_slots(meta.block_tables[i], ctx, block_size, first)
-        chunks.append(_Chunk(rows, slots, _additive(visible, dtype)))
+        chunks.append(SdpaChunk(rows, slots, _additive(visible, dtype)))
     return chunks
+
+
+def sdpa_chunks(
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None,
+) -> list[SdpaChunk]:
+    """The chunks of this step that go to SDPA in layers with `window` (no softcap), planned by
+    the first such layer of the step."""
+    return meta.planned(("cpu", window), lambda: _plan(meta, block_size, dtype, device, window))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -103,14 +115,11 @@ class CpuPagedBackend:
         check_window_and_softcap(sliding_window, softcap)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         _, block_size, kv_heads, dim = k_cache.shape
-        chunks: list[_Chunk] = []
+        chunks: list[SdpaChunk] = []
         max_query_len = NO_LIMIT  # with a softcap the kernel takes every chunk
         if softcap is None:
             max_query_len = KERNEL_MAX_QUERY_LEN
-            chunks = meta.planned(
-                ("cpu", sliding_window),
-                lambda: _plan(meta, block_size, q.dtype, q.device, sliding_window),
-            )
+            chunks = sdpa_chunks(meta, block_size, q.dtype, q.device, sliding_window)
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(chunks) < meta.num_reqs:

@@ -157,7 +157,7 @@ void rms_norm_rows(T* out, const T* x, int64_t x_stride, const T* weight, int64_
 }  // namespace
 
 // x: [rows, width] with unit stride along width; weight: [width]. Returns a new [rows, width].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
                 "rms_norm: x [rows, width] with unit stride along width, weight [width]");
     TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
@@ -171,7 +171,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // Returns (rms_norm(residual + x), residual + x), the sum rounded as torch's add rounds it.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
+                                        double eps) {
     TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.dim() == 2,
                 "add_rms_norm: x and residual contiguous [rows, width]");
     TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "add_rms_norm: x and residual must share a dtype");
@@ -191,7 +192,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 }
 
 // gate_up: [rows, 2 * width] (gate columns first). Returns silu(gate) * up, [rows, width].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
                 "silu_mul: gate_up contiguous [rows, 2 * width]");
     const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
@@ -222,7 +223,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // In place on x [tokens, heads, dim] (unit stride along dim, heads `dim` apart, any token
 // stride: the q or k columns of a fused qkv output), rotate-half layout, with cos and sin
 // [tokens, dim] contiguous: x * cos + rotate_half(x) * sin, rounded as eager torch rounds.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x [tokens, heads, dim], heads packed");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(-1) == x.size(2),
                 "rotary_: cos and sin contiguous [tokens, dim]");
@@ -263,6 +264,14 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
             }
         });
     });
+}
+
+// Also torch operators, for C++ callers that hold no Python (kernels/cpu/layer_stack.cpp).
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+    m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]", &add_rms_norm);
+    m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+    m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rotary_);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

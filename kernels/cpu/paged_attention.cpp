@@ -495,8 +495,9 @@ bool try_decode(int64_t group, int64_t dim, const T* q, const T* k_cache, const 
 // than max_query_len query rows are skipped: their rows of `out` are left to the caller.
 // window: keys a row sees, its own included (0: all up to it); softcap: scores capped to
 // softcap * tanh(s / softcap) (0: not capped).
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k, double scale,
+void paged_attention(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& cu_seqlens_q,
+                     const torch::Tensor& seqlens_k, double scale,
                      int64_t max_query_len, int64_t window, double softcap) {
     TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "paged_attention: q, out and the caches must be contiguous");
@@ -570,6 +571,13 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
             run(std::integral_constant<int, 0>{});
         }
     });
+}
+
+// Also a torch operator, for C++ callers that hold no Python (kernels/cpu/layer_stack.cpp).
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+    m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+          "Tensor cu_seqlens_q, Tensor seqlens_k, float scale, int max_query_len, int window, float softcap) -> ()",
+          &paged_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,0 +1,140 @@
+"""Runs every decoder layer of a Llama-shaped model on the CPU in one C++ call
+(kernels/cpu/layer_stack.cpp) instead of a Python loop over the layers.
+
+Each layer's work is the same ops with the same operands as `PreNormLayer` with the fused CPU ops
+and the CPU attention backend, so the hidden states are the same numbers; what goes away is the
+per-op Python, which at a decode step's few rows cost as much as the arithmetic (profile and
+numbers: bench/README.md). Only for the models and settings that path covers: a gated SiLU MLP,
+Llama's RMSNorm, one rotary table, no score softcap, one rank; other models keep their layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.base import DecoderModel
+from engine.models.interface import CausalLM
+from engine.models.layers.linear import PackableLinear
+from engine.models.layers.mlp import GatedMLP
+from engine.models.llama import PreNormLayer
+from kernels.attention import AttentionMetadata
+from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, sdpa_chunks
+
+
+def _linear(layer: PackableLinear) -> list[torch.Tensor | None]:
+    return [layer.weight, layer.packed, layer.bias]
+
+
+def _stackable_layers(model: CausalLM) -> list[PreNormLayer] | str:
+    """The model's layers when the C++ loop covers them all, else why not."""
+    if not isinstance(model, DecoderModel):
+        return "not a decoder model"
+    if model.fused_ops is None:
+        return "the fused CPU ops are not loaded"
+    if model.shard.size > 1:
+        return "tensor parallel"
+    if any(rope != "default" for rope in model.rope_settings()):
+        return "more than one rotary table"
+    layers = []
+    for layer in model.layers:
+        if not isinstance(layer, PreNormLayer):
+            return f"{type(layer).__name__} layers"
+        if not isinstance(layer.mlp, GatedMLP) or layer.mlp.act_name != "silu":
+            return "an MLP other than the gated SiLU one"
+        options = layer.self_attn.options
+        if options.softcap is not None or options.gemma_norm or options.rope != "default":
+            return "attention scores capped or Gemma norms"
+        layers.append(layer)
+    return layers
+
+
+class CpuLayerStack:
+    def __init__(self, layers: list[PreNormLayer]) -> None:
+        from kernels.cpu.layer_stack import LayerStack  # built here, on first use
+
+        tensors: list[torch.Tensor | None] = []
+        windows, plans = [], []
+        self.windows: list[int | None] = []  # each distinct window's plan index is its position
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, GatedMLP)
+            window = attn.options.sliding_window
+            if window not in self.windows:
+                self.windows.append(window)
+            windows.append(window or 0)
+            plans.append(self.windows.index(window))
+            qk_norm = attn.options.qk_norm
+            tensors += [
+                layer.input_layernorm.weight,
+                *_linear(attn.qkv_proj),
+                attn.q_norm.weight if qk_norm else None,
+                attn.k_norm.weight if qk_norm else None,
+                *_linear(attn.o_proj),
+                layer.post_attention_layernorm.weight,
+                *_linear(mlp.gate_up_proj),
+                *_linear(mlp.down_proj),
+            ]
+        first = layers[0]
+        self.stack = LayerStack(
+            tensors,
+            windows,
+            plans,
+            first.self_attn.num_heads,
+            first.self_attn.num_kv_heads,
+            first.self_attn.head_dim,
+            first.input_layernorm.eps,
+            first.self_attn.options.norm_eps,
+            first.self_attn.scale,
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The last layer's output for embeddings `x`, storing each layer's K/V in its cache."""
+        k_cache = kv_caches[0][0]
+        slots = meta.slot_mapping
+        valid = slots >= 0
+        rows = None
+        if not bool(valid.all()):  # padding rows store nothing
+            rows, slots = valid.nonzero().squeeze(1), slots[valid]
+        plans = [
+            [
+                (c.rows.start, c.rows.stop, c.slots, c.mask)
+                for c in sdpa_chunks(meta, k_cache.shape[1], x.dtype, x.device, window)
+            ]
+            for window in self.windows
+        ]
+        cos, sin = rope
+        return self.stack.forward(
+            x,
+            cos[:, 0],
+            sin[:, 0],
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            rows,
+            slots,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seqlens_k,
+            KERNEL_MAX_QUERY_LEN,
+            plans,
+            meta.num_reqs,
+        )
+
+
+def stack_cpu_layers(model: CausalLM) -> str | None:
+    """Give `model` a C++ loop over its layers for the CPU attention backend. None when done,
+    else why not (the model then runs its Python layers, as it does under other backends)."""
+    layers = _stackable_layers(model)
+    if isinstance(layers, str):
+        return layers
+    assert isinstance(model, DecoderModel)
+    try:
+        model.layer_stack = CpuLayerStack(layers)
+    except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja
+        return f"kernels.cpu.layer_stack could not be built: {exc}"
+    return None

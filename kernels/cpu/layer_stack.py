@@ -1,0 +1,31 @@
+"""All decoder layers of a Llama-shaped model in one C++ call (layer_stack.cpp, compiled when
+this module is first imported). It calls the fused ops and the paged-attention kernel as torch
+operators, so their modules are loaded first."""
+
+from __future__ import annotations
+
+from kernels.cpu import fused_ops, paged_attention_op  # noqa: F401  (they register the operators)
+from kernels.cpu.extension import build
+
+LayerStack = build("layer_stack.cpp", "pagedserve_cpu_layer_stack").LayerStack
+
+# The tensors that describe one layer, in the order the C++ constructor reads them (None where a
+# layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not).
+LAYER_TENSORS = (
+    "input_norm",
+    "qkv_weight",
+    "qkv_packed",
+    "qkv_bias",
+    "q_norm",
+    "k_norm",
+    "o_weight",
+    "o_packed",
+    "o_bias",
+    "post_norm",
+    "gate_up_weight",
+    "gate_up_packed",
+    "gate_up_bias",
+    "down_weight",
+    "down_packed",
+    "down_bias",
+)
