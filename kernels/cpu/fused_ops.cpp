@@ -92,6 +92,18 @@ inline float round_to(float v) {
     return static_cast<float>(static_cast<T>(v));
 }
 
+// a * b + c rounded once where the CPU has AVX-512 (the file is built with -ffp-contract=off,
+// which keeps the compiler from fusing the products torch rounds; exp16's polynomial has no
+// torch counterpart, and fusing it made silu_mul 1.13 -> 0.93-1.03 ms at 2,048 x 3,072).
+inline f16v fma16(f16v a, f16v b, float c) {
+#if defined(__AVX512F__)
+    return reinterpret_cast<f16v>(
+        _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), _mm512_set1_ps(c)));
+#else
+    return a * b + c;
+#endif
+}
+
 // exp(x) on all lanes, x clamped to where float32 is finite: x = n ln2 + r with n the nearest
 // integer to x / ln2 (ln2 in two parts, so that r keeps its low bits for large |x|), then
 // 2^n (exponent bits) times the degree-7 Taylor polynomial of e^r, |r| <= ln2 / 2 (relative
@@ -103,13 +115,13 @@ inline f16v exp16(f16v x) {
     f16v n = __builtin_convertvector(__builtin_convertvector(shifted, i16v), f16v);
     n = n > shifted ? n - 1.0f : n;  // floor(x / ln2 + 1/2)
     const f16v r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    f16v p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    f16v p = fma16(r, f16v{} + 1.0f / 5040, 1.0f / 720);
+    p = fma16(p, r, 1.0f / 120);
+    p = fma16(p, r, 1.0f / 24);
+    p = fma16(p, r, 1.0f / 6);
+    p = fma16(p, r, 0.5f);
+    p = fma16(p, r, 1.0f);
+    p = fma16(p, r, 1.0f);
     const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
     return p * reinterpret_cast<const f16v&>(bits);
 }
