@@ -5,11 +5,15 @@ sample, detokenize), and set against this machine's memory-bandwidth floor.
     python bench/cpu_step.py [MODEL_DIR] [--configs float32:torch:eager,bfloat16:torch:eager,bfloat16:torch,bfloat16:cpu]
         [--contexts 128,512,2048,8160] [--batch 16] [--long-batch 4] [--steps 16]
 
-Each config (dtype:attention backend, `:eager` for --enforce-eager: bf16 weights not prepacked) runs every context in a fresh engine, one after the other
+Each config (dtype:attention backend, `:eager` for --enforce-eager: bf16 weights not prepacked;
+`:python`: the layers' Python loop instead of the CPU backend's C++ one) runs every context in a
+fresh engine, one after the other
 in one process: B requests of C random prompt tokens (B = --long-batch from 8000 tokens on) are
 prefilled together (prefill tok/s = B*C / time to every first token), then --steps decode steps
 of all B are timed. floor = (weight bytes + KV bytes of every sequence's context) / bandwidth,
 bandwidth = bytes read + written per second of a 1 GiB tensor copy in torch (measured here).
+Attention is timed around the backend's forward, which the C++ layer loop does not call: its
+rows show none (the same kernel runs in its `:python` row).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def run(
     model_dir: Path | None,
     dtype: str,
     backend: str,
-    eager: bool,
+    mode: str,
     context: int,
     batch: int,
     steps: int,
@@ -70,7 +74,7 @@ def run(
         None if model_dir is None else str(model_dir),
         dtype=dtype,
         attention_backend=backend,
-        enforce_eager=eager,
+        enforce_eager=mode == "eager",
         max_model_len=max_len,
         max_num_seqs=batch,
         max_num_batched_tokens=2048,
@@ -79,6 +83,9 @@ def run(
         num_kv_blocks=batch * -(-max_len // 16),
     )
     engine = llm.engine
+    if mode == "python":
+        engine.executor.runner.model.layer_stack = None
+    stacked = engine.executor.runner.model.layer_stack is not None
     llm.generate(
         [[1000] * 64] * 2, SamplingParams(max_tokens=2)
     )  # warm-up: first calls pay one-off costs
@@ -109,7 +116,7 @@ def run(
         "batch": batch,
         "prefill_tok_s": batch * context / prefill_s,
         "step_ms": step_s * 1e3,
-        "attention_ms": attention.seconds / steps * 1e3,
+        "attention_ms": None if stacked else attention.seconds / steps * 1e3,
         "model_ms": (execute.seconds - attention.seconds) / steps * 1e3,
         "host_ms": (step_s * steps - execute.seconds) / steps * 1e3,
         "floor_ms": floor_s * 1e3,
@@ -135,21 +142,21 @@ def main() -> None:
     model = "the default model" if args.model_dir is None else args.model_dir.name
     print(f"{model}, {torch.get_num_threads()} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(
-        "| dtype | attention | weights | context | requests | prefill tok/s | decode step ms | attention ms | "
+        "| dtype | attention | weights | layers | context | requests | prefill tok/s | decode step ms | attention ms | "
         "rest of model ms | host ms | floor ms | step / floor |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in args.configs.split(","):
-        dtype, backend, *eager = config.split(":")
-        weights = "as loaded" if eager else "prepacked" if dtype == "bfloat16" else "as loaded"
+        dtype, backend, mode = (config + ":").split(":")[:3]
+        weights = "prepacked" if dtype == "bfloat16" and mode != "eager" else "as loaded"
+        layers = "C++" if backend == "cpu" and mode == "" else "Python"
         for context in (int(c) for c in args.contexts.split(",")):
             batch = args.batch if context < 8000 else args.long_batch
-            r = run(
-                args.model_dir, dtype, backend, bool(eager), context, batch, args.steps, bandwidth
-            )
+            r = run(args.model_dir, dtype, backend, mode, context, batch, args.steps, bandwidth)
+            attention = "-" if r["attention_ms"] is None else f"{r['attention_ms']:.1f}"
             print(
-                f"| {dtype} | {backend} | {weights} | {context} | {batch} | {r['prefill_tok_s']:.0f} | {r['step_ms']:.1f} | "
-                f"{r['attention_ms']:.1f} | {r['model_ms']:.1f} | {r['host_ms']:.1f} | {r['floor_ms']:.1f} | "
+                f"| {dtype} | {backend} | {weights} | {layers} | {context} | {batch} | {r['prefill_tok_s']:.0f} | "
+                f"{r['step_ms']:.1f} | {attention} | {r['model_ms']:.1f} | {r['host_ms']:.1f} | {r['floor_ms']:.1f} | "
                 f"{r['step_ms'] / r['floor_ms']:.1f}x |",
                 flush=True,
             )
