@@ -37,6 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from roofline import copy_bandwidth, decode_bytes
 from serve_load import add_load_args, add_workload_args, format_report, run_load
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -333,6 +334,28 @@ def side_by_side(results: list[dict], offline: dict | None) -> str:
     return "\n".join(lines)
 
 
+def roofline_lines(args: argparse.Namespace, results: list[dict], bandwidth: float) -> list[str]:
+    """The decode step's memory floor for this workload, and each server's median ITL (a decode
+    step, for a stream that is not waiting on a prefill) as a multiple of it."""
+    cost = decode_bytes(args.model_dir, args.dtype)
+    sequences = min(args.concurrency, args.max_num_seqs)
+    context = args.input_len + args.output_len / 2  # the mean over a request's decode steps
+    floor_ms = cost.floor_s(sequences, context, bandwidth) * 1e3
+    lines = [
+        f"decode floor: {cost.weights / 1e6:.0f} MB of weights + {sequences * context * cost.kv_per_token / 1e6:.0f} MB "
+        f"of KV ({sequences} sequences x {context:.0f} tokens) at {bandwidth / 1e9:.1f} GB/s "
+        f"(a tensor copy, read + written) = {floor_ms:.1f} ms"
+    ]
+    for result in results:
+        run = best_run(result)
+        if run is not None:
+            itl = run["itl"]["p50_ms"]
+            lines.append(
+                f"{result['name']}: ITL p50 {itl:.1f} ms = {itl / floor_ms:.1f}x the decode floor"
+            )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -411,6 +434,8 @@ def main() -> int:
         f"rate {args.request_rate:g} | {versions.get('vllm', '')}"
     )
     print(side_by_side(results, offline))
+    bandwidth = copy_bandwidth()  # with every server stopped
+    print("\n".join(roofline_lines(args, results, bandwidth)))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
@@ -419,6 +444,7 @@ def main() -> int:
                     "versions": versions,
                     "servers": results,
                     "offline": offline,
+                    "copy_bandwidth": bandwidth,
                 },
                 fh,
                 indent=1,

@@ -29,17 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.roofline import copy_bandwidth
 from engine import LLM, SamplingParams
-
-
-def copy_bandwidth(nbytes: int = 2**30, copies: int = 10) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(copies):
-        dst.copy_(src)
-    return 2 * nbytes * copies / (time.perf_counter() - start)
 
 
 class Timer:
