@@ -3,7 +3,7 @@ the decode step split into attention, the rest of the model, and the host (sched
 sample, detokenize), and set against this machine's memory-bandwidth floor.
 
     python bench/cpu_step.py [MODEL_DIR] [--configs float32:torch:eager,bfloat16:torch:eager,bfloat16:torch,bfloat16:cpu]
-        [--contexts 128,512,2048,8160] [--batch 16] [--long-batch 4] [--steps 16]
+        [--contexts 128,512,2048,8160] [--batch 16] [--long-batch 4] [--steps 16] [--block-size 16]
 
 Each config (dtype:attention backend, `:eager` for --enforce-eager: bf16 weights not prepacked;
 `:python`: the layers' Python loop instead of the CPU backend's C++ one) runs every context in a
@@ -55,6 +55,7 @@ def run(
     dtype: str,
     backend: str,
     mode: str,
+    block_size: int,
     context: int,
     batch: int,
     steps: int,
@@ -70,8 +71,8 @@ def run(
         max_num_seqs=batch,
         max_num_batched_tokens=2048,
         enable_prefix_caching=False,
-        block_size=16,
-        num_kv_blocks=batch * -(-max_len // 16),
+        block_size=block_size,
+        num_kv_blocks=batch * -(-max_len // block_size),
     )
     engine = llm.engine
     if mode == "python":
@@ -128,6 +129,7 @@ def main() -> None:
         "--long-batch", type=int, default=4, help="requests from 8000 tokens of context on"
     )
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     model = "the default model" if args.model_dir is None else args.model_dir.name
@@ -143,7 +145,17 @@ def main() -> None:
         layers = "C++" if backend == "cpu" and mode == "" else "Python"
         for context in (int(c) for c in args.contexts.split(",")):
             batch = args.batch if context < 8000 else args.long_batch
-            r = run(args.model_dir, dtype, backend, mode, context, batch, args.steps, bandwidth)
+            r = run(
+                args.model_dir,
+                dtype,
+                backend,
+                mode,
+                args.block_size,
+                context,
+                batch,
+                args.steps,
+                bandwidth,
+            )
             attention = "-" if r["attention_ms"] is None else f"{r['attention_ms']:.1f}"
             print(
                 f"| {dtype} | {backend} | {weights} | {layers} | {context} | {batch} | {r['prefill_tok_s']:.0f} | "
