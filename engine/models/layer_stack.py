@@ -21,8 +21,12 @@ from kernels.attention import AttentionMetadata
 from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, sdpa_chunks
 
 
-def _linear(layer: PackableLinear) -> list[torch.Tensor | None]:
-    return [layer.weight, layer.packed, layer.bias]
+def _linear(name: str, layer: PackableLinear) -> dict[str, torch.Tensor | None]:
+    return {
+        f"{name}_weight": layer.weight,
+        f"{name}_packed": layer.packed,
+        f"{name}_bias": layer.bias,
+    }
 
 
 def _stackable_layers(model: CausalLM) -> list[PreNormLayer] | str:
@@ -50,7 +54,7 @@ def _stackable_layers(model: CausalLM) -> list[PreNormLayer] | str:
 
 class CpuLayerStack:
     def __init__(self, layers: list[PreNormLayer]) -> None:
-        from kernels.cpu.layer_stack import LayerStack  # built here, on first use
+        from kernels.cpu.layer_stack import LAYER_TENSORS, LayerStack  # built on first use
 
         tensors: list[torch.Tensor | None] = []
         windows, plans = [], []
@@ -64,16 +68,17 @@ class CpuLayerStack:
             windows.append(window or 0)
             plans.append(self.windows.index(window))
             qk_norm = attn.options.qk_norm
-            tensors += [
-                layer.input_layernorm.weight,
-                *_linear(attn.qkv_proj),
-                attn.q_norm.weight if qk_norm else None,
-                attn.k_norm.weight if qk_norm else None,
-                *_linear(attn.o_proj),
-                layer.post_attention_layernorm.weight,
-                *_linear(mlp.gate_up_proj),
-                *_linear(mlp.down_proj),
-            ]
+            parts = {
+                "input_norm": layer.input_layernorm.weight,
+                "q_norm": attn.q_norm.weight if qk_norm else None,
+                "k_norm": attn.k_norm.weight if qk_norm else None,
+                "post_norm": layer.post_attention_layernorm.weight,
+                **_linear("qkv", attn.qkv_proj),
+                **_linear("o", attn.o_proj),
+                **_linear("gate_up", mlp.gate_up_proj),
+                **_linear("down", mlp.down_proj),
+            }
+            tensors += [parts[name] for name in LAYER_TENSORS]
         first = layers[0]
         self.stack = LayerStack(
             tensors,

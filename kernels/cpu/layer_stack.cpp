@@ -60,7 +60,9 @@ struct Linear {
     }
 };
 
-// How many tensors (or Nones) describe one layer, in this order (kernels/cpu/layer_stack.py).
+// How many tensors (or Nones) describe one layer, in the order of LAYER_TENSORS in
+// kernels/cpu/layer_stack.py: 0 the input norm, 1-3 qkv (weight, packed, bias), 4-5 the q and k
+// norms, 6-8 o, 9 the post-attention norm, 10-12 gate_up, 13-15 down.
 constexpr size_t kTensorsPerLayer = 16;
 
 struct Layer {
