@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def stored_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the rows whose K/V are stored, or None for all of them; their slots): slots < 0 mark
+    padding, which stores nothing."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return None, slot_mapping
+    return valid.nonzero().squeeze(1), slot_mapping[valid]
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -14,9 +23,9 @@ def store_kv(
 ) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; slots < 0 mark padding and are skipped."""
     num_blocks, block_size, heads, dim = k_cache.shape
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    rows, slot_mapping = stored_rows(slot_mapping)
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)
     k_cache.view(num_blocks * block_size, heads, dim).index_copy_(
         0, slot_mapping, k.to(k_cache.dtype)
     )

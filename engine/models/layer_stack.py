@@ -19,6 +19,7 @@ from engine.models.layers.mlp import GatedMLP
 from engine.models.llama import PreNormLayer
 from kernels.attention import AttentionMetadata
 from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, sdpa_chunks
+from kernels.kv_store import stored_rows
 
 
 def _linear(name: str, layer: PackableLinear) -> dict[str, torch.Tensor | None]:
@@ -101,11 +102,7 @@ class CpuLayerStack:
     ) -> torch.Tensor:
         """The last layer's output for embeddings `x`, storing each layer's K/V in its cache."""
         k_cache = kv_caches[0][0]
-        slots = meta.slot_mapping
-        valid = slots >= 0
-        rows = None
-        if not bool(valid.all()):  # padding rows store nothing
-            rows, slots = valid.nonzero().squeeze(1), slots[valid]
+        rows, slots = stored_rows(meta.slot_mapping)  # once a step, for every layer
         plans = [
             [
                 (c.rows.start, c.rows.stop, c.slots, c.mask)
