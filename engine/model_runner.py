@@ -160,17 +160,21 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         log.info(
             "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
         )
+    backend = build_backend(spec.attention_backend)
     if device == "cpu" and not config.model.enforce_eager:
         why_not = model.fuse_cpu_ops()
         if why_not is not None and shard.rank == 0:
             log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
-        why_not = stack_cpu_layers(model)
+        # The loop is the cpu backend's path: under another backend it would never run.
+        if backend.name == "cpu":
+            why_not = stack_cpu_layers(model)
+        else:
+            why_not = f"the {backend.name} attention backend"
         if shard.rank == 0:
             if why_not is None:
                 log.info("decoder layers run in one C++ loop on the CPU (--enforce-eager: Python)")
             else:
                 log.info("decoder layers run from Python: %s", why_not)
-    backend = build_backend(spec.attention_backend)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)
