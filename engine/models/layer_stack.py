@@ -18,7 +18,12 @@ from engine.models.layers.linear import PackableLinear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.llama import PreNormLayer
 from kernels.attention import AttentionMetadata
-from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, sdpa_chunks
+from kernels.attention.cpu_backend import (
+    KERNEL_MAX_QUERY_LEN,
+    long_chunks,
+    prefill_kernel_takes,
+    sdpa_chunks,
+)
 from kernels.kv_store import stored_rows
 
 
@@ -103,13 +108,18 @@ class CpuLayerStack:
         """The last layer's output for embeddings `x`, storing each layer's K/V in its cache."""
         k_cache = kv_caches[0][0]
         rows, slots = stored_rows(meta.slot_mapping)  # once a step, for every layer
-        plans = [
-            [
-                (c.rows.start, c.rows.stop, c.slots, c.mask)
-                for c in sdpa_chunks(meta, k_cache.shape[1], x.dtype, x.device, window)
+        long = 0
+        plans: list[list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]]
+        if prefill_kernel_takes(x.dtype, k_cache.shape[-1], None):
+            long, plans = long_chunks(meta), [[] for _ in self.windows]
+        else:
+            plans = [
+                [
+                    (c.rows.start, c.rows.stop, c.slots, c.mask)
+                    for c in sdpa_chunks(meta, k_cache.shape[1], x.dtype, x.device, window)
+                ]
+                for window in self.windows
             ]
-            for window in self.windows
-        ]
         cos, sin = rope
         return self.stack.forward(
             x,
@@ -124,6 +134,7 @@ class CpuLayerStack:
             meta.seqlens_k,
             KERNEL_MAX_QUERY_LEN,
             plans,
+            long,
             meta.num_reqs,
         )
 

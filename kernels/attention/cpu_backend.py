@@ -1,15 +1,17 @@
 """Paged attention on the CPU: decode rows and short chunks through the C++ kernel in kernels/cpu
 (one call per layer, keys and values read in place through the block table), long prefill
-chunks through torch's flash SDPA. New K/V are stored first, as in every backend.
+chunks through a second kernel of AMX matrix products where the CPU has them and the model runs
+in bfloat16, else through torch's flash SDPA. New K/V are stored first, as in every backend.
 
 Why two paths: the kernel computes a row's scores key by key in float32, which is what decode
 needs (one row, a context read once) but leaves a long chunk's score matrix to vector code that
-is 5-7x slower than SDPA's blocked bf16 matrix products (1024 fresh rows, 9/3 heads of 64:
-23 ms against 3.2 ms a layer). A fresh chunk attends to its own K/V with `is_causal`; a chunk
-after cached context gathers that context and takes a mask, both planned once per step (and
-sliding window).
+is 5-7x slower than blocked bf16 matrix products (1024 fresh rows, 9/3 heads of 64: 23 ms
+against 3.2 ms a layer). The prefill kernel (kernels/cpu/prefill_attention.cpp) also reads the
+cache in place, one call for all long chunks. On SDPA, a fresh chunk attends to its own K/V with
+`is_causal`; a chunk after cached context gathers that context and takes a mask, both planned
+once per step (and sliding window).
 
-A sliding window goes to the kernel, which starts each row at its first visible key; for SDPA
+A sliding window goes to the kernels, which start each row at its first visible key; for SDPA
 it is part of the mask (a fresh prompt the window cuts into takes one too), and a chunk after
 cached context gathers only the keys its first row's window reaches. SDPA cannot cap scores, so
 a layer with a softcap sends every chunk, long ones included, through the kernel: correct, and
@@ -26,11 +28,13 @@ import torch.nn.functional as F
 
 from kernels.attention.backend import AttentionMetadata, check_window_and_softcap
 from kernels.attention.torch_ref import context_slots, visible_keys
+from kernels.cpu import prefill_attention_op
 from kernels.cpu.paged_attention_op import paged_attention
 from kernels.kv_store import store_kv
 
-# Chunks with more query rows than this go through SDPA; at and below it the kernel is as fast
-# (its 16-row tiles reuse each key while it is in cache) and one call covers them all.
+# Chunks with more query rows than this go through the prefill kernel or SDPA; at and below it
+# the paged kernel is as fast (its 16-row tiles reuse each key while it is in cache) and one call
+# covers them all.
 KERNEL_MAX_QUERY_LEN = 32
 NO_LIMIT = 2**31 - 1  # a query length limit that every chunk is within
 
@@ -89,6 +93,23 @@ def sdpa_chunks(
     return meta.planned(("cpu", window), lambda: _plan(meta, block_size, dtype, device, window))
 
 
+def prefill_kernel_takes(dtype: torch.dtype, head_dim: int, softcap: float | None) -> bool:
+    """Whether long chunks go to the prefill kernel rather than SDPA."""
+    return (
+        prefill_attention_op.AVAILABLE
+        and softcap is None
+        and dtype == torch.bfloat16
+        and prefill_attention_op.takes_head_dim(head_dim)
+    )
+
+
+def long_chunks(meta: AttentionMetadata) -> int:
+    """How many requests of the step have more query rows than the paged kernel takes."""
+    return meta.planned(
+        ("cpu", "long"), lambda: sum(n > KERNEL_MAX_QUERY_LEN for n in meta.query_lens)
+    )
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, dim] -> [1, heads, tokens, dim], the 4-D layout SDPA's CPU flash kernel
     takes (3-D inputs fall back to its unfused path)."""
@@ -98,6 +119,9 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 class CpuPagedBackend:
     name = "cpu"
     graph_safe = False  # CPU only: there are no CUDA graphs to capture
+
+    def __init__(self, prefill_kernel: bool = True) -> None:
+        self.prefill_kernel = prefill_kernel  # False: long chunks to SDPA even where it could run
 
     def forward(
         self,
@@ -117,12 +141,15 @@ class CpuPagedBackend:
         _, block_size, kv_heads, dim = k_cache.shape
         chunks: list[SdpaChunk] = []
         max_query_len = NO_LIMIT  # with a softcap the kernel takes every chunk
-        if softcap is None:
+        long = 0  # chunks for the prefill kernel
+        if self.prefill_kernel and prefill_kernel_takes(q.dtype, dim, softcap):
+            max_query_len, long = KERNEL_MAX_QUERY_LEN, long_chunks(meta)
+        elif softcap is None:
             max_query_len = KERNEL_MAX_QUERY_LEN
             chunks = sdpa_chunks(meta, block_size, q.dtype, q.device, sliding_window)
         q = q.contiguous()
         out = torch.empty_like(q)
-        if len(chunks) < meta.num_reqs:
+        if len(chunks) + long < meta.num_reqs:
             paged_attention(
                 out,
                 q,
@@ -135,6 +162,19 @@ class CpuPagedBackend:
                 max_query_len,
                 sliding_window,
                 softcap,
+            )
+        if long:
+            prefill_attention_op.prefill_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seqlens_k,
+                scale,
+                KERNEL_MAX_QUERY_LEN,
+                sliding_window,
             )
         for chunk in chunks:
             if chunk.slots is None:

@@ -8,9 +8,9 @@
 // so its outputs are the same numbers; only the residual add before a layer's first norm goes
 // into that norm (add_rms_norm rounds the sum as torch's add does).
 //
-// The fused ops and the paged-attention kernel are reached as torch operators (registered by
-// fused_ops.cpp and paged_attention.cpp, which must be loaded first); the linear layers through
-// oneDNN's prepacked matmul where the weight was prepacked, else at::linear.
+// The fused ops and the attention kernels are reached as torch operators (registered by
+// fused_ops.cpp, paged_attention.cpp and prefill_attention.cpp, which must be loaded first); the
+// linear layers through oneDNN's prepacked matmul where the weight was prepacked, else at::linear.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -44,6 +44,12 @@ struct Ops {
                               .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                           int64_t, double)>();
+    c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>
+        prefill_attention = op("pagedserve::prefill_attention")
+                                .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                                            int64_t)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>
         packed_linear = op("mkldnn::_linear_pointwise")
@@ -94,12 +100,14 @@ class LayerStack {
     }
 
     // x [tokens, hidden]: the embeddings; cos, sin [tokens, head_dim]. `store_rows`: the rows
-    // whose K/V are stored (none: all), at `store_slots`. Returns the last layer's output.
+    // whose K/V are stored (none: all), at `store_slots`. Requests with more than `max_query_len`
+    // query rows go to SDPA as `plans` say, or, `long_chunks` of them, to the prefill kernel.
+    // Returns the last layer's output.
     at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                        const OptTensor& store_rows, const at::Tensor& store_slots, const at::Tensor& block_tables,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k, int64_t max_query_len,
-                       const std::vector<std::vector<Chunk>>& plans, int64_t num_reqs) const {
+                       const std::vector<std::vector<Chunk>>& plans, int64_t long_chunks, int64_t num_reqs) const {
         TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                     "LayerStack: a K and a V cache per layer");
         at::Tensor residual = x, h = ops_.rms_norm.call(x, layers_[0].input_norm, eps_), mlp_out;
@@ -108,7 +116,7 @@ class LayerStack {
             if (i > 0) std::tie(h, residual) = pair(ops_.add_rms_norm.call(mlp_out, residual, layer.input_norm, eps_));
             const at::Tensor attn = attention(layer, h, cos, sin, k_caches[i], v_caches[i], store_rows, store_slots,
                                               block_tables, cu_seqlens_q, seqlens_k, max_query_len,
-                                              plans.at(layer.plan), num_reqs);
+                                              plans.at(layer.plan), long_chunks, num_reqs);
             std::tie(h, residual) = pair(ops_.add_rms_norm.call(attn, residual, layer.post_norm, eps_));
             mlp_out = layer.down(ops_, ops_.silu_mul.call(layer.gate_up(ops_, h)));
         }
@@ -128,7 +136,7 @@ class LayerStack {
                          const at::Tensor& k_cache, const at::Tensor& v_cache, const OptTensor& store_rows,
                          const at::Tensor& store_slots, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                          const at::Tensor& seqlens_k, int64_t max_query_len, const std::vector<Chunk>& chunks,
-                         int64_t num_reqs) const {
+                         int64_t long_chunks, int64_t num_reqs) const {
         const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
         const at::Tensor qkv = layer.qkv(ops_, h);
         at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
@@ -148,9 +156,13 @@ class LayerStack {
 
         q = q.contiguous();
         const at::Tensor out = at::empty_like(q);
-        if (static_cast<int64_t>(chunks.size()) < num_reqs) {
+        if (static_cast<int64_t>(chunks.size()) + long_chunks < num_reqs) {
             ops_.paged_attention.call(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale_,
                                       max_query_len, layer.window, 0.0);
+        }
+        if (long_chunks > 0) {
+            ops_.prefill_attention.call(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale_,
+                                        max_query_len, layer.window);
         }
         for (const auto& [start, end, slots, mask] : chunks) {
             const at::Tensor keys = slots ? k_rows.index_select(0, *slots) : k.narrow(0, start, end - start);

@@ -1,10 +1,11 @@
 """All decoder layers of a Llama-shaped model in one C++ call (layer_stack.cpp, compiled when
-this module is first imported). It calls the fused ops and the paged-attention kernel as torch
+this module is first imported). It calls the fused ops and the attention kernels as torch
 operators, so their modules are loaded first."""
 
 from __future__ import annotations
 
-from kernels.cpu import fused_ops, paged_attention_op  # noqa: F401  (they register the operators)
+# They register the operators.
+from kernels.cpu import fused_ops, paged_attention_op, prefill_attention_op  # noqa: F401
 from kernels.cpu.extension import build
 
 LayerStack = build("layer_stack.cpp", "pagedserve_cpu_layer_stack").LayerStack

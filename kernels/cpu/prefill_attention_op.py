@@ -1,0 +1,48 @@
+"""The CPU prefill-attention kernel for long bfloat16 chunks (prefill_attention.cpp), compiled
+when this module is first imported (kernels/cpu/extension.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu.extension import build
+
+_module = build("prefill_attention.cpp", "pagedserve_cpu_prefill_attention")
+
+# Whether this CPU multiplies bfloat16 on AMX and the build has the kernel; without it callers
+# take SDPA.
+AVAILABLE: bool = _module.available()
+
+
+def takes_head_dim(dim: int) -> bool:
+    return dim % 16 == 0 and dim <= 512
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    min_query_len: int,
+    sliding_window: int | None = None,
+) -> None:
+    """Writes into `out` [tokens, heads, dim] the causal attention of the query rows of every
+    request with more than `min_query_len` of them, over its cached keys read through the block
+    table (bfloat16; tables and lengths int32), each row seeing only the last `sliding_window`
+    keys up to its own when given. The other rows of `out` are not written."""
+    _module.prefill_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        scale,
+        min_query_len,
+        sliding_window or 0,  # the kernel's "none"
+    )
