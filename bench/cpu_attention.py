@@ -1,5 +1,7 @@
-"""CPU attention per layer: the C++ paged kernel (`--attention-backend cpu`) against the torch
-reference (gather, pad, mask, SDPA), on the same steps, one after the other in one process.
+"""CPU attention per layer: the C++ kernels (`--attention-backend cpu`) against the torch
+reference (gather, pad, mask, SDPA), on the same steps, one after the other in one process; for
+steps with prefill chunks past 32 rows also the cpu backend with those chunks on torch's flash
+SDPA instead of the bf16 prefill kernel (what it does without AMX, or in float32).
 
     python bench/cpu_attention.py [--threads 2] [--dtype bfloat16] [--heads 9 --kv-heads 3 --dim 64]
 
@@ -17,11 +19,20 @@ import time
 import torch
 
 from kernels.attention.backend import AttentionMetadata
-from kernels.attention.cpu_backend import CpuPagedBackend
+from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, CpuPagedBackend
 from kernels.attention.torch_ref import TorchReferenceBackend
 
 # (requests, context, new rows per request)
-CASES = [(16, 128, 1), (16, 512, 1), (16, 2048, 1), (4, 8192, 1), (1, 1024, 1024), (1, 2048, 512)]
+CASES = [
+    (16, 128, 1),
+    (16, 512, 1),
+    (16, 2048, 1),
+    (4, 8192, 1),
+    (8, 128, 128),
+    (1, 1024, 1024),
+    (2, 1024, 1024),
+    (1, 2048, 512),
+]
 
 
 def make_step(
@@ -93,8 +104,11 @@ def main() -> None:
     print(
         f"{args.dtype}, {args.heads}/{args.kv_heads} heads of {args.dim}, {args.threads} threads; ms per layer"
     )
-    print("| requests x context, new rows | block | torch reference | cpu kernel | speed-up |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| requests x context, new rows | block | torch reference | cpu, long chunks on SDPA "
+        "| cpu | speed-up | prefill kernel / SDPA |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for batch, context, rows in CASES:
         for block_size in (int(b) for b in args.block_sizes.split(",")):
             step = make_step(
@@ -103,8 +117,13 @@ def main() -> None:
             repeats = 3 if rows == 1 else 1
             ref = time_ms(TorchReferenceBackend(), step, repeats, args.layers)
             cpu = time_ms(CpuPagedBackend(), step, repeats, args.layers)
+            sdpa, gain = "-", "-"
+            if rows > KERNEL_MAX_QUERY_LEN:
+                ms = time_ms(CpuPagedBackend(prefill_kernel=False), step, repeats, args.layers)
+                sdpa, gain = f"{ms:.2f}", f"{ms / cpu:.2f}x"
             print(
-                f"| {batch} x {context}, {rows} | {block_size} | {ref:.2f} | {cpu:.2f} | {ref / cpu:.2f}x |",
+                f"| {batch} x {context}, {rows} | {block_size} | {ref:.2f} | {sdpa} | {cpu:.2f} "
+                f"| {ref / cpu:.2f}x | {gain} |",
                 flush=True,
             )
 

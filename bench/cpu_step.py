@@ -84,7 +84,7 @@ def run(
     rng = random.Random(context)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
-        prompt = [rng.randrange(1000, 40000) for _ in range(context)]
+        prompt = [rng.randrange(1000, min(40000, engine.info.vocab_size)) for _ in range(context)]
         engine.add_request(prompt, params, prompt_token_ids=prompt)
     started, first = time.perf_counter(), set()
     while len(first) < batch:
