@@ -40,6 +40,15 @@ namespace {
 constexpr int64_t kKeyTile = 128;      // keys per tile: eight 16-lane vectors of a score row
 constexpr int64_t kRowsPerItem = 128;  // query rows (tokens x heads of the group) per work item, at most
 
+// The head dims the kernel takes (its vector loops go 16 lanes at a time; the key packing
+// buffer holds 512); kernels/cpu/prefill_attention_op.py asks the same function.
+bool takes_head_dim(int64_t dim) { return dim % 16 == 0 && dim <= 512; }
+
+// The first key a row at position `pos` sees: the window's first, or the context's (0: no window).
+inline int64_t first_visible(int64_t pos, int64_t window) {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 #if defined(__AVX512BF16__)
 
 using at::BFloat16;
@@ -188,7 +197,7 @@ void attend_item(const Item& item, const LongChunk& c, const BFloat16* q, BFloat
     std::fill(w.sum.begin(), w.sum.end(), 0.0f);
     const int64_t pos0 = c.ctx - c.q_len + item.row0;  // the first row's position
     const int64_t pos_last = c.ctx - c.q_len + item.row1 - 1;
-    const int64_t tile0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / kKeyTile : 0;
+    const int64_t tile0 = first_visible(pos0, window) / kKeyTile;
     const int64_t tile_size = 2 * kKeyTile * dim;
     bool first = true;
     for (int64_t tile = std::max(tile0, c.first_tile); tile <= pos_last / kKeyTile; ++tile) {
@@ -198,6 +207,7 @@ void attend_item(const Item& item, const LongChunk& c, const BFloat16* q, BFloat
         const int64_t key0 = tile * kKeyTile;
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t pos = pos0 + r / group;
+            // first_visible(pos) - key0, clamped at 0, folded into one max (per row and tile).
             const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - key0) : 0;
             const int64_t hi = std::min<int64_t>(kKeyTile, pos + 1 - key0);
             BFloat16* p = w.p.data() + r * kKeyTile;
@@ -270,7 +280,7 @@ void prefill_attention(const torch::Tensor& out, const torch::Tensor& q, const t
     const int64_t heads = q.size(1), dim = q.size(2);
     const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
     TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "prefill_attention: head shapes do not match");
-    TORCH_CHECK(dim % 16 == 0 && dim <= 512, "prefill_attention: head dim a multiple of 16 up to 512");
+    TORCH_CHECK(takes_head_dim(dim), "prefill_attention: head dim a multiple of 16 up to 512");
     TORCH_CHECK(window >= 0 && min_query_len >= 0, "prefill_attention: window and min_query_len not negative");
     const int64_t group = heads / kv_heads;
     const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
@@ -287,8 +297,8 @@ void prefill_attention(const torch::Tensor& out, const torch::Tensor& q, const t
         if (q_len <= min_query_len) continue;
         const int64_t ctx = seq_p[r];
         TORCH_CHECK(ctx >= q_len, "prefill_attention: a request has fewer keys than query rows");
-        LongChunk c{cu_p[r], q_len, ctx, window > 0 ? std::max<int64_t>(0, ctx - q_len + 1 - window) : 0, 0, 0,
-                    packed_size, tables + r * block_tables.size(1)};
+        LongChunk c{cu_p[r], q_len, ctx, first_visible(ctx - q_len, window), 0, 0, packed_size,
+                    tables + r * block_tables.size(1)};
         c.first_tile = c.first_key / kKeyTile;
         c.tiles = (ctx + kKeyTile - 1) / kKeyTile - c.first_tile;
         packed_size += kv_heads * c.tiles * 2 * kKeyTile * dim;
@@ -297,7 +307,7 @@ void prefill_attention(const torch::Tensor& out, const torch::Tensor& q, const t
         for (int64_t row0 = 0; row0 < q_len; row0 += tokens_per_item) {
             const int64_t row1 = std::min(q_len, row0 + tokens_per_item);
             const int64_t last = ctx - q_len + row1 - 1;
-            const int64_t from = window > 0 ? std::max<int64_t>(0, ctx - q_len + row0 - window + 1) : 0;
+            const int64_t from = first_visible(ctx - q_len + row0, window);
             for (int64_t h = 0; h < kv_heads; ++h) {
                 items.push_back({index, static_cast<int32_t>(h), static_cast<int32_t>(row0),
                                  static_cast<int32_t>(row1), last / kKeyTile - from / kKeyTile + 1});
@@ -348,4 +358,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("prefill_attention", &prefill_attention, "long prefill chunks over the KV block table (CPU, bfloat16, AMX)");
     m.def("available", &available, "whether this CPU and build run prefill_attention");
+    m.def("takes_head_dim", &takes_head_dim, "whether prefill_attention takes this head dim");
 }

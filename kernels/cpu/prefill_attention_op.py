@@ -15,7 +15,7 @@ AVAILABLE: bool = _module.available()
 
 
 def takes_head_dim(dim: int) -> bool:
-    return dim % 16 == 0 and dim <= 512
+    return bool(_module.takes_head_dim(dim))
 
 
 def prefill_attention(
