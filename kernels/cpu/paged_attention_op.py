@@ -9,6 +9,10 @@ from kernels.cpu.extension import build
 
 _module = build("paged_attention.cpp", "pagedserve_cpu_paged_attention")
 
+# Whether bfloat16 decode rows (head dims 64 and 128, no sliding window, blocks of a multiple of
+# 16 tokens) are multiplied on AMX tiles; elsewhere they take the vector path.
+DECODES_ON_TILES: bool = _module.decodes_on_tiles()
+
 
 def paged_attention(
     out: torch.Tensor,
