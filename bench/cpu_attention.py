@@ -1,7 +1,8 @@
 """CPU attention per layer: the C++ kernels (`--attention-backend cpu`) against the torch
 reference (gather, pad, mask, SDPA), on the same steps, one after the other in one process; for
 steps with prefill chunks past 32 rows also the cpu backend with those chunks on torch's flash
-SDPA instead of the bf16 prefill kernel (what it does without AMX, or in float32).
+SDPA instead of the bf16 prefill kernel (what it does where torch's bf16 micro-kernel does not
+run, or in float32).
 
     python bench/cpu_attention.py [--threads 2] [--dtype bfloat16] [--heads 9 --kv-heads 3 --dim 64]
 

@@ -116,7 +116,7 @@ def test_window_and_softcap_match_reference(
     """A group of 3 takes the decode path (4 does in test_sliding_window_softcap.py), 16 the
     tile path for decodes too; each dim and dtype with each. SHAPES has chunks after cached
     context past KERNEL_MAX_QUERY_LEN rows, LONG one more and a fresh one, which go to SDPA
-    (with a window in its mask; bf16 on CPUs with AMX: the prefill kernel) or, with a softcap,
+    (with a window in its mask; bf16 where torch's micro-kernel runs: the prefill kernel) or, with a softcap,
     to the kernel."""
     atol = 2e-5 if dtype == torch.float32 else 2e-2
     check_against_reference(

@@ -43,8 +43,8 @@ def engines(model_dir: Path, dtype: str) -> tuple[LLM, LLM]:
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "qwen2_dir", "qwen3_dir", "phi3_dir"])
 def test_generation_equals_python_layers(model_fixture: str, dtype: str, request) -> None:
     """GQA, q/k/v bias, q/k norms and a sliding window the prompts outgrow; prompts that share
-    a prefix (cached blocks), chunked prefill through the paged kernel and SDPA (bf16 with AMX:
-    the prefill kernel), then decode."""
+    a prefix (cached blocks), chunked prefill through the paged kernel and SDPA (bf16 where torch's
+    micro-kernel runs: the prefill kernel), then decode."""
     model_dir: Path = request.getfixturevalue(model_fixture)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:4]

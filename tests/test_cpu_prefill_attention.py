@@ -1,4 +1,4 @@
-"""The CPU prefill kernel for long bfloat16 chunks (kernels/cpu/prefill_attention.cpp, AMX) against
+"""The CPU prefill kernel for long bfloat16 chunks (kernels/cpu/prefill_attention.cpp) against
 the naive attention and the torch reference: GQA 1/3/4/8/16, head dims 64/96/128/256, block sizes
 16/32/128, fresh prompts and chunks after a cached prefix (contexts ending mid-tile and mid-block),
 sliding windows; that it writes only the long chunks' rows; and that the CPU backend sends long
@@ -24,7 +24,7 @@ from tests.attention_cases import SHAPES, check_against_reference, naive_attenti
 
 pytestmark = pytest.mark.skipif(
     not prefill_attention_op.AVAILABLE,
-    reason="this CPU has no AMX bfloat16 matrix products (the backend uses SDPA instead)",
+    reason="torch's bfloat16 micro-kernel does not run on this CPU (the backend uses SDPA instead)",
 )
 
 # Long chunks only: fresh prompts of one tile, of several and a ragged one; chunks after cached
@@ -83,7 +83,7 @@ def test_matches_naive_attention(heads: int, kv_heads: int, dim: int, block_size
 
 @pytest.mark.parametrize("dim", [96, 256])
 def test_other_head_dims(dim: int) -> None:
-    """A head dim that is not a multiple of the 32 AMX multiplies at once, and the largest."""
+    """A head dim that is not a multiple of the 32 an AMX tile multiplies at once, and the largest."""
     out, want, _ = _run_kernel(LONG_CHUNKS, 16, 8, 2, dim)
     torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
 

@@ -1,7 +1,8 @@
 """Paged attention on the CPU: decode rows and short chunks through the C++ kernel in kernels/cpu
 (one call per layer, keys and values read in place through the block table), long prefill
-chunks through a second kernel of AMX matrix products where the CPU has them and the model runs
-in bfloat16, else through torch's flash SDPA. New K/V are stored first, as in every backend.
+chunks through a second kernel of blocked bf16 matrix products (AMX or AVX512-BF16) where the
+CPU has them and the model runs in bfloat16, else through torch's flash SDPA. New K/V are stored
+first, as in every backend.
 
 Why two paths: the kernel computes a row's scores key by key in float32, which is what decode
 needs (one row, a context read once) but leaves a long chunk's score matrix to vector code that

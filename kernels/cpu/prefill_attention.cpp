@@ -1,24 +1,26 @@
 // Long prefill chunks of bfloat16 attention on the CPU: flash attention over the paged cache with
-// AMX matrix products (oneDNN's batch-reduce GEMM, as torch exports it), for chunks too long for
-// the row-by-row kernel in paged_attention.cpp.
+// blocked matrix products (oneDNN's batch-reduce GEMM micro-kernel, as torch exports it: AMX tiles
+// where the CPU has them, AVX512-BF16 pair dot products elsewhere), for chunks too long for the
+// row-by-row kernel in paged_attention.cpp.
 //
-// Why not torch's SDPA, which also multiplies on AMX: a chunk after cached context first needs its
-// keys gathered and a mask built, and SDPA's causal blocking (256 query rows x 512 keys at 1,024
-// rows) computes ~1.5x the scores the causal triangle needs, each through a float32 exp that took
-// 38% of its time (perf, bench/README.md). Here every chunk reads its keys in place through the
-// block table, the tiles are 128 keys wide with the query heads of a KV head stacked into one
-// matrix (so a KV tile is read once for the whole group), and the softmax works in base 2 with a
-// degree-5 polynomial (relative error ~2e-6, far under the bfloat16 rounding of the
-// probabilities it feeds).
+// Why not torch's SDPA: a chunk after cached context first needs its keys gathered and a mask
+// built, and SDPA's causal blocking (256 query rows x 512 keys at 1,024 rows) computes ~1.5x the
+// scores the causal triangle needs, each through a float32 exp that took 38% of its time (perf,
+// bench/README.md); on an AVX512-BF16 CPU without AMX it took 2.4-3x this kernel's time. Here
+// every chunk reads its keys in place through the block table, the tiles are 128 keys wide with
+// the query heads of a KV head stacked into one matrix (so a KV tile is read once for the whole
+// group), and the softmax works in base 2 with a degree-5 polynomial (relative error ~2e-6, far
+// under the bfloat16 rounding of the probabilities it feeds).
 //
 // Two phases, one parallel loop each: (1) each KV head's keys and values of every long chunk are
-// copied, a tile of keys at a time, into the pair-interleaved ("VNNI") tiles AMX multiplies (K
-// transposed); (2) each work item (chunk, KV head, tile of query rows) runs the online softmax
-// over the key tiles its rows can see. Items are taken largest first and handed out one at a
-// time, because a causal chunk's last rows see many more keys than its first.
+// copied, a tile of keys at a time, into the pair-interleaved ("VNNI") layout the micro-kernel
+// multiplies (K transposed); (2) each work item (chunk, KV head, tile of query rows) runs the
+// online softmax over the key tiles its rows can see. Items are taken largest first and handed
+// out one at a time, because a causal chunk's last rows see many more keys than its first.
 //
 // Built only where the compiler targets AVX512-BF16 (the probabilities' conversion); `available()`
-// also asks torch whether the CPU packs bfloat16 for AMX. Callers check it and otherwise use SDPA.
+// also asks torch's micro-kernel for one small product in that layout, which it refuses where
+// oneDNN is off or older than the layout. Callers check it and otherwise use SDPA.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -248,9 +250,35 @@ void attend_item(const Item& item, const LongChunk& c, const BFloat16* q, BFloat
 
 #endif  // __AVX512BF16__
 
+#if defined(__AVX512BF16__)
+// One 16 x 16 product of 2-deep pairs (A all ones, B the pair layout of 0..31 per column) through
+// the micro-kernel: whether it runs here, and gives the sums it should.
+bool micro_kernel_works() {
+    std::vector<BFloat16> a(16 * 2, BFloat16(1.0f)), b(2 * 16);
+    for (int n = 0; n < 16; ++n) {
+        b[2 * n] = BFloat16(static_cast<float>(n));
+        b[2 * n + 1] = BFloat16(static_cast<float>(n + 16));
+    }
+    std::vector<float> c(16 * 16, -1.0f);
+    try {
+        at::native::cpublas::brgemm(16, 16, 2, 2, 16, 16, false, a.data(), b.data(), c.data());
+        at::native::cpublas::brgemm_release();
+    } catch (const c10::Error&) {
+        return false;
+    }
+    for (int m = 0; m < 16; ++m) {
+        for (int n = 0; n < 16; ++n) {
+            if (c[m * 16 + n] != static_cast<float>(2 * n + 16)) return false;
+        }
+    }
+    return true;
+}
+#endif
+
 bool available() {
 #if defined(__AVX512BF16__)
-    return at::native::cpublas::could_pack(at::kBFloat16);
+    static const bool works = micro_kernel_works();
+    return works;
 #else
     return false;
 #endif
@@ -267,7 +295,7 @@ void prefill_attention(const torch::Tensor& out, const torch::Tensor& q, const t
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                        const torch::Tensor& cu_seqlens_q, const torch::Tensor& seqlens_k, double scale,
                        int64_t min_query_len, int64_t window) {
-    TORCH_CHECK(available(), "prefill_attention: this CPU or build has no AMX bfloat16 path");
+    TORCH_CHECK(available(), "prefill_attention: this CPU or build has no bfloat16 micro-kernel");
 #if defined(__AVX512BF16__)
     TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "prefill_attention: q, out and the caches must be contiguous");
@@ -356,7 +384,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("prefill_attention", &prefill_attention, "long prefill chunks over the KV block table (CPU, bfloat16, AMX)");
+    m.def("prefill_attention", &prefill_attention, "long prefill chunks over the KV block table (CPU, bfloat16)");
     m.def("available", &available, "whether this CPU and build run prefill_attention");
     m.def("takes_head_dim", &takes_head_dim, "whether prefill_attention takes this head dim");
 }

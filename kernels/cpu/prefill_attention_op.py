@@ -9,8 +9,8 @@ from kernels.cpu.extension import build
 
 _module = build("prefill_attention.cpp", "pagedserve_cpu_prefill_attention")
 
-# Whether this CPU multiplies bfloat16 on AMX and the build has the kernel; without it callers
-# take SDPA.
+# Whether the build has the kernel and torch's bfloat16 micro-kernel runs on this CPU (AMX or
+# AVX512-BF16); without it callers take SDPA.
 AVAILABLE: bool = _module.available()
 
 
