@@ -32,6 +32,7 @@ def _linear(name: str, layer: PackableLinear) -> dict[str, torch.Tensor | None]:
         f"{name}_weight": layer.weight,
         f"{name}_packed": layer.packed,
         f"{name}_bias": layer.bias,
+        f"{name}_few_rows": layer.few_rows,
     }
 
 

@@ -9,8 +9,10 @@
 // into that norm (add_rms_norm rounds the sum as torch's add does).
 //
 // The fused ops and the attention kernels are reached as torch operators (registered by
-// fused_ops.cpp, paged_attention.cpp and prefill_attention.cpp, which must be loaded first); the
-// linear layers through oneDNN's prepacked matmul where the weight was prepacked, else at::linear.
+// fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp and few_rows_linear.cpp, which must be
+// loaded first); the linear layers through few_rows_linear for steps of few rows where the model
+// packed a copy for it, else oneDNN's prepacked matmul where the weight was prepacked, else
+// at::linear.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -50,6 +52,9 @@ struct Ops {
                                 .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                             int64_t)>();
+    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>
+        few_rows_linear = op("pagedserve::few_rows_linear")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>
         packed_linear = op("mkldnn::_linear_pointwise")
@@ -57,10 +62,16 @@ struct Ops {
                                               c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
 };
 
+constexpr int64_t kFewRows = 16;  // the most rows few_rows_linear.cpp takes
+
 struct Linear {
     OptTensor weight, packed, bias;  // the weight as loaded, or oneDNN's packed copy of it
+    OptTensor few_rows;              // where made, the packed copy for steps of at most kFewRows rows
 
     at::Tensor operator()(const Ops& ops, const at::Tensor& x) const {
+        if (few_rows && packed && x.size(0) <= kFewRows) {
+            return ops.few_rows_linear.call(x, *few_rows, bias, packed->size(0));
+        }
         if (packed) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
         return at::linear(x, *weight, bias);
     }
@@ -68,8 +79,9 @@ struct Linear {
 
 // How many tensors (or Nones) describe one layer, in the order of LAYER_TENSORS in
 // kernels/cpu/layer_stack.py: 0 the input norm, 1-3 qkv (weight, packed, bias), 4-5 the q and k
-// norms, 6-8 o, 9 the post-attention norm, 10-12 gate_up, 13-15 down.
-constexpr size_t kTensorsPerLayer = 16;
+// norms, 6-8 o, 9 the post-attention norm, 10-12 gate_up, 13-15 down, 16-19 the few-row copies of
+// qkv, o, gate_up and down.
+constexpr size_t kTensorsPerLayer = 20;
 
 struct Layer {
     at::Tensor input_norm, post_norm;
@@ -94,8 +106,9 @@ class LayerStack {
                     "LayerStack: ", kTensorsPerLayer, " tensors, a window and a plan per layer");
         for (size_t i = 0; i < windows.size(); ++i) {
             const OptTensor* t = tensors.data() + i * kTensorsPerLayer;
-            layers_.push_back(Layer{*t[0], *t[9], t[4], t[5], Linear{t[1], t[2], t[3]}, Linear{t[6], t[7], t[8]},
-                                    Linear{t[10], t[11], t[12]}, Linear{t[13], t[14], t[15]}, windows[i], plans[i]});
+            layers_.push_back(Layer{*t[0], *t[9], t[4], t[5], Linear{t[1], t[2], t[3], t[16]},
+                                    Linear{t[6], t[7], t[8], t[17]}, Linear{t[10], t[11], t[12], t[18]},
+                                    Linear{t[13], t[14], t[15], t[19]}, windows[i], plans[i]});
         }
     }
 

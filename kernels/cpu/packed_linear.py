@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FEW_ROWS = 16  # the most rows kernels/cpu/few_rows_linear takes (its MAX_ROWS)
+
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
@@ -29,11 +31,19 @@ def linear(
     weight: torch.Tensor | None,
     packed: torch.Tensor | None,
     bias: torch.Tensor | None,
+    few_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed weight when there is one (then `weight` may be None)."""
+    """x @ weight.T + bias, through the packed weight when there is one (then `weight` may be
+    None), or for at most 16 rows through `few_rows`, the same weight packed for
+    kernels/cpu/few_rows_linear when the model made one."""
     if packed is None:
         assert weight is not None, "a layer that was not packed keeps its weight"
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if few_rows is not None and rows.shape[0] <= FEW_ROWS:
+        from kernels.cpu import few_rows_linear  # loaded already: it made `few_rows`
+
+        out = few_rows_linear.linear(rows, few_rows, bias, packed.shape[0])
+        return out.view(*x.shape[:-1], out.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
