@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FEW_ROWS = 16  # the most rows kernels/cpu/few_rows_linear takes (its MAX_ROWS)
-
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
@@ -40,10 +38,11 @@ def linear(
         assert weight is not None, "a layer that was not packed keeps its weight"
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    if few_rows is not None and rows.shape[0] <= FEW_ROWS:
+    if few_rows is not None:
         from kernels.cpu import few_rows_linear  # loaded already: it made `few_rows`
 
-        out = few_rows_linear.linear(rows, few_rows, bias, packed.shape[0])
-        return out.view(*x.shape[:-1], out.shape[-1])
+        if rows.shape[0] <= few_rows_linear.MAX_ROWS:
+            out = few_rows_linear.linear(rows, few_rows, bias, packed.shape[0])
+            return out.view(*x.shape[:-1], out.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
