@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     sink: _Sink
+    # Stamped when the caller hands the request over, not when the engine thread takes it: a
+    # request that waits in the inbox behind a running step has arrived all the same.
+    arrival_time: float
 
 
 @dataclass
@@ -178,7 +182,9 @@ class AsyncEngine:
         with self._lock:
             if not self._accepting:
                 raise EngineDeadError(self.dead_reason())
-            self._inbox.put(_Add(request_id, prompt, prompt_token_ids, params, sink))
+            self._inbox.put(
+                _Add(request_id, prompt, prompt_token_ids, params, sink, arrival_time=time.time())
+            )
         finished = False
         try:
             while not finished:
@@ -256,7 +262,11 @@ class AsyncEngine:
     def _add(self, item: _Add) -> None:
         try:
             self.engine.add_request(
-                item.prompt, item.params, item.request_id, prompt_token_ids=item.prompt_token_ids
+                item.prompt,
+                item.params,
+                item.request_id,
+                arrival_time=item.arrival_time,
+                prompt_token_ids=item.prompt_token_ids,
             )
         except InvalidRequestError as exc:
             item.sink.send(exc)

@@ -1,7 +1,9 @@
 """What the engine measured since the last look: the raw material of the Prometheus metrics.
 
-Times are the engine's own wall-clock timestamps (arrival, first scheduled, first token, each
-token, finish), taken on the engine thread, so HTTP and queueing in the frontend do not blur them.
+Times are wall-clock timestamps: arrival when the request is handed to the engine (so the time it
+waits for the engine thread to finish a step counts as queueing), the rest (first scheduled, first
+token, each token, finish) taken on the engine thread, so that HTTP parsing and the frontend's
+admission queue do not blur them.
 """
 
 from __future__ import annotations

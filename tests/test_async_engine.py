@@ -14,6 +14,7 @@ from config import EngineConfig
 from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.errors import ModelLoadError
+from engine.stats import EngineStats
 from tests.models import finish_all
 from tests.server_harness import start_engine, wait_until_idle
 
@@ -205,3 +206,36 @@ def test_a_build_error_reaches_the_caller_and_an_unstarted_engine_shuts_down(
     engine.shutdown(timeout=5)  # never started: its thread must still end
     assert not engine.thread.is_alive()
     assert not engine.is_alive
+
+
+def test_waiting_for_the_engine_thread_counts_as_queue_time(llama_dir: Path) -> None:
+    """Arrival is when generate() hands the request over: a request that waits in the inbox
+    while the engine thread is busy (here: not yet started) has been queued that long, and its
+    TTFT and queue time say so, as a client measures them."""
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=16, max_model_len=64)
+    )
+    seen: list[EngineStats] = []
+    engine.on_stats = seen.append
+    held = 0.3
+    try:
+
+        async def main() -> list[RequestOutput]:
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            stream = engine.generate([5, 6, 7], params, "held", [5, 6, 7])
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(held)  # the request sits in the inbox; the thread waits for start
+            engine.start()
+            return [await first, *[o async for o in stream]]
+
+        outputs = asyncio.run(asyncio.wait_for(main(), 60))
+        assert outputs[-1].finished
+        wait_until_idle(engine)
+    finally:
+        engine.shutdown()
+    ttfts = [t for s in seen for t in s.time_to_first_token]
+    finished = [f for s in seen for f in s.finished]
+    assert len(ttfts) == 1 and len(finished) == 1
+    assert ttfts[0] >= held
+    assert finished[0].queue_time is not None and finished[0].queue_time >= held
+    assert finished[0].e2e_latency >= held
