@@ -1,6 +1,7 @@
-"""Prepacked bfloat16 linear weights on the CPU (kernels/cpu/packed_linear.py): the same numbers
-as F.linear, and the engine's tokens and logprobs with packed weights equal those with the
-weights as loaded (--enforce-eager)."""
+"""Prepacked bfloat16 linear weights on the CPU (kernels/cpu/packed_linear.py) in oneDNN's layout
+(what CPUs with AMX or without AVX512-BF16 get; forced here on every CPU): the same numbers as
+F.linear, and the engine's tokens and logprobs with packed weights equal those with the weights
+as loaded (--enforce-eager). The layout of our own is tests/test_cpu_bf16_linear.py's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from kernels.cpu import packed_linear
 from kernels.cpu.packed_linear import can_pack, linear, pack
 from tests.prompts import shared_prefix_prompts
+
+
+@pytest.fixture(autouse=True)
+def onednn_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "own_layout", lambda: False)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -6,7 +6,7 @@ prepacking and fused CPU ops. An architecture file subclasses `DecoderModel` wit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import ModuleType
 from typing import ClassVar, Protocol
 
@@ -37,18 +37,6 @@ FUSED_QKV_GATE_UP = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-
-
-def few_rows_packer() -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """Packs a weight for kernels/cpu/few_rows_linear where that kernel is preferred here and
-    builds; else a function that packs nothing (oneDNN takes every step)."""
-    try:
-        from kernels.cpu import few_rows_linear
-    except (ImportError, OSError, RuntimeError):  # no compiler or ninja: oneDNN it is
-        return lambda weight: None
-    if not few_rows_linear.PREFERRED:
-        return lambda weight: None
-    return lambda weight: few_rows_linear.pack(weight) if few_rows_linear.can_pack(weight) else None
 
 
 class LayerStackCall(Protocol):
@@ -94,7 +82,6 @@ class DecoderModel(nn.Module):
             self.lm_head = ParallelLMHead(cfg.hidden_size, self.embed_tokens)
         self.rotary: dict[str, RotaryEmbedding] = {}
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
-        self.lm_head_few_rows: torch.Tensor | None = None  # and for steps of few rows
         self.fused_ops: ModuleType | None = None
         # All layers in one C++ call under the CPU attention backend (engine/models/layer_stack.py).
         self.layer_stack: LayerStackCall | None = None
@@ -189,9 +176,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.tie_word_embeddings:
-            logits = linear(
-                hidden, self.embed_tokens.weight, self.lm_head_packed, None, self.lm_head_few_rows
-            )
+            logits = linear(hidden, self.embed_tokens.weight, self.lm_head_packed, None)
         else:
             logits = self.lm_head(hidden)
         gathered = gather_columns(logits.float(), self.shard, self.config.vocab_size)
@@ -212,20 +197,17 @@ class DecoderModel(nn.Module):
         return self.locate(name)
 
     def pack_weights(self) -> bool:
-        """Prepack every linear weight for oneDNN (CPU, bfloat16), after loading, and where
-        kernels/cpu/few_rows_linear is preferred (AVX512-BF16 without AMX) a second copy for
-        steps of at most 16 rows; the unpacked copies are dropped, but the embedding's, which
-        the lookup still reads. False if the weights cannot be packed here."""
+        """Prepack every linear weight for the CPU's fastest bfloat16 kernel
+        (kernels/cpu/packed_linear), after loading; the unpacked copies are dropped, but the
+        embedding's, which the lookup still reads. False if the weights cannot be packed here."""
         if not can_pack(self.embed_tokens.weight):
             return False
-        pack_few = few_rows_packer()
         if self.tie_word_embeddings:
             self.lm_head_packed = pack(self.embed_tokens.weight)
-            self.lm_head_few_rows = pack_few(self.embed_tokens.weight)
         for module in self.modules():
-            if isinstance(module, PackableLinear) and module.weight is not None:
-                module.packed = pack(module.weight)
-                module.few_rows = pack_few(module.weight)
+            weight = module.weight if isinstance(module, PackableLinear) else None
+            if weight is not None and can_pack(weight):
+                module.packed = pack(weight)
                 module.register_parameter("weight", None)
         return True
 

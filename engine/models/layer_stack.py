@@ -24,6 +24,7 @@ from kernels.attention.cpu_backend import (
     prefill_kernel_takes,
     sdpa_chunks,
 )
+from kernels.cpu import packed_linear
 from kernels.kv_store import stored_rows
 
 
@@ -32,7 +33,6 @@ def _linear(name: str, layer: PackableLinear) -> dict[str, torch.Tensor | None]:
         f"{name}_weight": layer.weight,
         f"{name}_packed": layer.packed,
         f"{name}_bias": layer.bias,
-        f"{name}_few_rows": layer.few_rows,
     }
 
 
@@ -97,6 +97,7 @@ class CpuLayerStack:
             first.input_layernorm.eps,
             first.self_attn.options.norm_eps,
             first.self_attn.scale,
+            packed_linear.own_layout(),
         )
 
     def __call__(

@@ -9,10 +9,9 @@
 // into that norm (add_rms_norm rounds the sum as torch's add does).
 //
 // The fused ops and the attention kernels are reached as torch operators (registered by
-// fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp and few_rows_linear.cpp, which must be
-// loaded first); the linear layers through few_rows_linear for steps of few rows where the model
-// packed a copy for it, else oneDNN's prepacked matmul where the weight was prepacked, else
-// at::linear.
+// fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp and bf16_linear.cpp, which must be
+// loaded first); the linear layers through the kernel the weights were packed for (bf16_linear
+// or oneDNN's prepacked matmul, kernels/cpu/packed_linear.py), else at::linear.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,9 +51,8 @@ struct Ops {
                                 .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                             int64_t)>();
-    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>
-        few_rows_linear = op("pagedserve::few_rows_linear")
-                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>();
+    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> bf16_linear =
+        op("pagedserve::bf16_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>
         packed_linear = op("mkldnn::_linear_pointwise")
@@ -62,26 +60,21 @@ struct Ops {
                                               c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
 };
 
-constexpr int64_t kFewRows = 16;  // the most rows few_rows_linear.cpp takes
-
 struct Linear {
-    OptTensor weight, packed, bias;  // the weight as loaded, or oneDNN's packed copy of it
-    OptTensor few_rows;              // where made, the packed copy for steps of at most kFewRows rows
+    OptTensor weight, packed, bias;  // the weight as loaded, or its packed copy
 
-    at::Tensor operator()(const Ops& ops, const at::Tensor& x) const {
-        if (few_rows && packed && x.size(0) <= kFewRows) {
-            return ops.few_rows_linear.call(x, *few_rows, bias, packed->size(0));
-        }
-        if (packed) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
-        return at::linear(x, *weight, bias);
+    // `own_layout`: packed for bf16_linear, else for oneDNN.
+    at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool own_layout) const {
+        if (!packed) return at::linear(x, *weight, bias);
+        if (own_layout) return ops.bf16_linear.call(x, *packed, bias);
+        return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
     }
 };
 
 // How many tensors (or Nones) describe one layer, in the order of LAYER_TENSORS in
 // kernels/cpu/layer_stack.py: 0 the input norm, 1-3 qkv (weight, packed, bias), 4-5 the q and k
-// norms, 6-8 o, 9 the post-attention norm, 10-12 gate_up, 13-15 down, 16-19 the few-row copies of
-// qkv, o, gate_up and down.
-constexpr size_t kTensorsPerLayer = 20;
+// norms, 6-8 o, 9 the post-attention norm, 10-12 gate_up, 13-15 down.
+constexpr size_t kTensorsPerLayer = 16;
 
 struct Layer {
     at::Tensor input_norm, post_norm;
@@ -99,16 +92,18 @@ at::Tensor heads_first(const at::Tensor& x) { return x.transpose(0, 1).unsqueeze
 
 class LayerStack {
   public:
+    // `own_layout`: the packed weights are bf16_linear's (else oneDNN's).
     LayerStack(const std::vector<OptTensor>& tensors, std::vector<int64_t> windows, std::vector<int64_t> plans,
-               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double qk_eps, double scale)
-        : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale) {
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double qk_eps, double scale,
+               bool own_layout)
+        : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale),
+          own_layout_(own_layout) {
         TORCH_CHECK(tensors.size() == windows.size() * kTensorsPerLayer && windows.size() == plans.size(),
                     "LayerStack: ", kTensorsPerLayer, " tensors, a window and a plan per layer");
         for (size_t i = 0; i < windows.size(); ++i) {
             const OptTensor* t = tensors.data() + i * kTensorsPerLayer;
-            layers_.push_back(Layer{*t[0], *t[9], t[4], t[5], Linear{t[1], t[2], t[3], t[16]},
-                                    Linear{t[6], t[7], t[8], t[17]}, Linear{t[10], t[11], t[12], t[18]},
-                                    Linear{t[13], t[14], t[15], t[19]}, windows[i], plans[i]});
+            layers_.push_back(Layer{*t[0], *t[9], t[4], t[5], Linear{t[1], t[2], t[3]}, Linear{t[6], t[7], t[8]},
+                                    Linear{t[10], t[11], t[12]}, Linear{t[13], t[14], t[15]}, windows[i], plans[i]});
         }
     }
 
@@ -131,7 +126,7 @@ class LayerStack {
                                               block_tables, cu_seqlens_q, seqlens_k, max_query_len,
                                               plans.at(layer.plan), long_chunks, num_reqs);
             std::tie(h, residual) = pair(ops_.add_rms_norm.call(attn, residual, layer.post_norm, eps_));
-            mlp_out = layer.down(ops_, ops_.silu_mul.call(layer.gate_up(ops_, h)));
+            mlp_out = layer.down(ops_, ops_.silu_mul.call(layer.gate_up(ops_, h, own_layout_)), own_layout_);
         }
         return at::add(residual, mlp_out);
     }
@@ -151,7 +146,7 @@ class LayerStack {
                          const at::Tensor& seqlens_k, int64_t max_query_len, const std::vector<Chunk>& chunks,
                          int64_t long_chunks, int64_t num_reqs) const {
         const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-        const at::Tensor qkv = layer.qkv(ops_, h);
+        const at::Tensor qkv = layer.qkv(ops_, h, own_layout_);
         at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
         at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
         const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
@@ -185,13 +180,14 @@ class LayerStack {
                 !mask.has_value(), scale_, /*enable_gqa=*/true);
             out.narrow(0, start, end - start).copy_(attn.squeeze(0).transpose(0, 1));
         }
-        return layer.o(ops_, out.view({-1, q_size}));
+        return layer.o(ops_, out.view({-1, q_size}), own_layout_);
     }
 
     Ops ops_;
     std::vector<Layer> layers_;
     int64_t heads_, kv_heads_, head_dim_;
     double eps_, qk_eps_, scale_;
+    bool own_layout_;
 };
 
 }  // namespace
@@ -199,6 +195,6 @@ class LayerStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<LayerStack>(m, "LayerStack")
         .def(py::init<const std::vector<OptTensor>&, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
-                      int64_t, double, double, double>())
+                      int64_t, double, double, double, bool>())
         .def("forward", &LayerStack::forward, py::call_guard<py::gil_scoped_release>());
 }

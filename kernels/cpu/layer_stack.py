@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # They register the operators.
 from kernels.cpu import (  # noqa: F401
-    few_rows_linear,
+    bf16_linear,
     fused_ops,
     paged_attention_op,
     prefill_attention_op,
@@ -16,8 +16,7 @@ from kernels.cpu.extension import build
 LayerStack = build("layer_stack.cpp", "pagedserve_cpu_layer_stack").LayerStack
 
 # The tensors that describe one layer, in the order the C++ constructor reads them (None where a
-# layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not, a copy packed
-# for few rows).
+# layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not).
 LAYER_TENSORS = (
     "input_norm",
     "qkv_weight",
@@ -35,8 +34,4 @@ LAYER_TENSORS = (
     "down_weight",
     "down_packed",
     "down_bias",
-    "qkv_few_rows",
-    "o_few_rows",
-    "gate_up_few_rows",
-    "down_few_rows",
 )

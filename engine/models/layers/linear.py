@@ -45,7 +45,6 @@ class PackableLinear(nn.Module):
     """A linear layer that runs on its prepacked CPU weight once `pack_weights` made one."""
 
     packed: torch.Tensor | None = None
-    few_rows: torch.Tensor | None = None  # for steps of at most 16 rows, where made
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -53,7 +52,7 @@ class PackableLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.bias, self.few_rows)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class ReplicatedLinear(PackableLinear):
@@ -118,7 +117,7 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return linear(x, self.weight, self.packed, self.bias, self.few_rows)
+            return linear(x, self.weight, self.packed, self.bias)
         y = all_reduce(linear(x, self.weight, self.packed, None), self.shard)
         return y if self.bias is None else y + self.bias
 

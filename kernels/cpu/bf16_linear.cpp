@@ -1,17 +1,23 @@
-// bfloat16 linear layers of a few rows (a decode step's) on CPUs with AVX512-BF16.
+// bfloat16 linear layers on CPUs with AVX512-BF16 and no AMX: every step, from one decode row to
+// a 2,048-token prefill, on the weight in a layout of its own, packed once at load.
 //
-// At 16 rows oneDNN's prepacked matmul neither streams the weights at the copy bandwidth nor
-// multiplies near the CPU's peak (on a 2-core Zen 4: the default model's 120 linears 14.0-14.8
-// ms cold, 10.8 warm; at one row 11.6 ms, ~18 GB/s of weights). This kernel reads each weight
-// once per 8 rows in its own layout: 16 output columns x 2 input dims a vector (the pairs
-// `vdpbf16ps` multiplies), two such column blocks side by side, so that one broadcast of a row's
-// input pair feeds both. 8 rows x 32 columns = 16 accumulators. Sums are float32 (products of
-// two bf16 are exact in float32), rounded to bfloat16 once, after the bias: the numbers F.linear
-// gives up to the order of the sums.
+// The layout: 16 output columns x 2 input dims a vector (the pairs `vdpbf16ps` multiplies), two
+// such column blocks side by side, so that one broadcast of a row's input pair feeds both: 8 rows
+// x 32 columns = 16 accumulators in registers. A work item is a block of up to 256 rows against
+// two column blocks, so that its inputs stay in cache over the column blocks. Sums are float32
+// (products of two bf16 are exact in float32), rounded to bfloat16 once, after the bias: the
+// numbers F.linear gives up to the order of the sums.
+//
+// Against oneDNN's prepacked matmul on a 2-core Zen 4 (the default model's 120 layer linears):
+// at 16 rows it neither streams the weights at the copy bandwidth nor multiplies near the CPU's
+// peak (14.0-14.8 ms cold; this kernel 11.7); at 2,048 rows it ran at 419-430 GFLOP/s, this
+// kernel at 439-448 (of a measured peak of ~467). So it takes every row count, and the model
+// keeps only this copy of its weights.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -19,10 +25,10 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;         // output columns of a vector
-constexpr int64_t kBlockCols = 32;    // two vectors: a work item's columns
-constexpr int64_t kMaxRows = 16;      // rows the kernel takes; more go to oneDNN
-constexpr int kRowTile = 8;           // rows whose accumulators live in registers at once
+constexpr int64_t kCols = 16;       // output columns of a vector
+constexpr int64_t kBlockCols = 32;  // two vectors: a work item's columns
+constexpr int kRowTile = 8;         // rows whose accumulators live in registers at once
+constexpr int64_t kRowBlock = 256;  // rows of a work item
 
 bool available() {
 #if defined(__AVX512BF16__)
@@ -43,15 +49,19 @@ bool preferred() {
 #endif
 }
 
-// weight [N, K] -> [ceil(N / 32) * 2][K / 2][16][2]: column block b, input pair k, column c,
-// then the pair; columns past N are zeros. K must be even.
+int64_t padded_columns(int64_t n) { return (n + kBlockCols - 1) / kBlockCols * kBlockCols; }
+
+// weight [N, K] -> its blocks [ceil(N / 32) * 2][K / 2][16][2] (column block b, input pair k,
+// column c, then the pair; columns past N zeros), returned as an [N, K] tensor over that storage,
+// as oneDNN's packed weights are: its size still says the layer's shape. K must be even.
 torch::Tensor pack(const torch::Tensor& weight) {
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "few_rows_linear: a 2-d bf16 weight");
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_linear: a 2-d bf16 weight");
     const int64_t n = weight.size(0), k = weight.size(1);
-    TORCH_CHECK(k % 2 == 0, "few_rows_linear: an even number of input features");
-    const int64_t padded = (n + kBlockCols - 1) / kBlockCols * kBlockCols;
+    TORCH_CHECK(k % 2 == 0, "bf16_linear: an even number of input features");
+    const int64_t padded = padded_columns(n);
     const auto w = at::constant_pad_nd(weight, {0, 0, 0, padded - n});
-    return w.view({padded / kCols, kCols, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+    const auto blocks = w.view({padded / kCols, kCols, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+    return blocks.view(-1).as_strided({n, k}, {k, 1});
 }
 
 #if defined(__AVX512BF16__)
@@ -94,42 +104,46 @@ void tile(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, const at
     }
 }
 
+// `rows` rows: tiles of R while they last, the rest in tiles of R / 2, R / 4, ...
 template <int R>
 void rows_of(int64_t rows, const at::BFloat16* x, int64_t k, const at::BFloat16* packed, const at::BFloat16* bias,
              at::BFloat16* out, int64_t n, int64_t block) {
-    if constexpr (R > 0) {
-        if (rows >= R) {
-            tile<R>(x, k, packed, bias, out, n, block);
-            rows_of<R>(rows - R, x + R * k, k, packed, bias, out + R * n, n, block);
-        } else {
-            rows_of<R / 2>(rows, x, k, packed, bias, out, n, block);
-        }
+    for (; rows >= R; rows -= R, x += R * k, out += R * n) tile<R>(x, k, packed, bias, out, n, block);
+    if constexpr (R > 1) {
+        if (rows > 0) rows_of<R / 2>(rows, x, k, packed, bias, out, n, block);
     }
 }
 #endif
 
-// x [M, K] bf16 (M <= 16), packed from pack(weight [N, K]); bias [N] or none. Returns [M, N].
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
-                     int64_t n) {
-    TORCH_CHECK(available(), "few_rows_linear: built without AVX512-BF16");
+// x [M, K] bf16, packed from pack(weight [N, K]); bias [N] or none. Returns [M, N].
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias) {
+    TORCH_CHECK(available(), "bf16_linear: built without AVX512-BF16");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-                "few_rows_linear: x is a contiguous 2-d bf16 tensor");
+                "bf16_linear: x is a contiguous 2-d bf16 tensor");
     const int64_t m = x.size(0), k = x.size(1);
-    TORCH_CHECK(m <= kMaxRows, "few_rows_linear: at most ", kMaxRows, " rows");
-    TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(1) * 2 == k &&
-                    packed.size(0) * kCols >= n && packed.size(0) % 2 == 0,
-                "few_rows_linear: the packed weight does not match x and n");
+    TORCH_CHECK(packed.dim() == 2 && packed.size(1) == k && packed.scalar_type() == at::kBFloat16,
+                "bf16_linear: the packed weight does not match x");
+    const int64_t n = packed.size(0);
+    // The storage of pack()'s padded blocks (a weight as loaded has N x K values: this catches it
+    // where N is not a multiple of 32).
+    TORCH_CHECK(packed.storage_offset() == 0 &&
+                    packed.storage().nbytes() == static_cast<size_t>(padded_columns(n) * k * 2),
+                "bf16_linear: the weight was not packed by bf16_linear.pack");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kBFloat16),
-                "few_rows_linear: bias is n contiguous bf16 values");
+                "bf16_linear: bias is n contiguous bf16 values");
     auto out = torch::empty({m, n}, x.options());
 #if defined(__AVX512BF16__)
     const auto* xp = x.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
     const at::BFloat16* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
     auto* op = out.data_ptr<at::BFloat16>();
-    const int64_t items = (n + kBlockCols - 1) / kBlockCols;
+    const int64_t column_items = padded_columns(n) / kBlockCols;
+    const int64_t items = (m + kRowBlock - 1) / kRowBlock * column_items;
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) rows_of<kRowTile>(m, xp, k, wp, bp, op, n, 2 * i);
+        for (int64_t i = begin; i < end; ++i) {  // row blocks outer: a thread's items share inputs
+            const int64_t row0 = i / column_items * kRowBlock, rows = std::min(kRowBlock, m - row0);
+            rows_of<kRowTile>(rows, xp + row0 * k, k, wp, bp, op + row0 * n, n, 2 * (i % column_items));
+        }
     });
 #endif
     return out;
@@ -138,13 +152,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-    m.def("few_rows_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear);
+    m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("available", &available, "whether the build has the kernel (AVX512-BF16)");
     m.def("preferred", &preferred, "whether to take it over oneDNN on this CPU (AVX512-BF16, no AMX)");
     m.def("pack", &pack, "a [N, K] bf16 weight in the kernel's layout");
-    m.def("linear", &linear, "x @ weight.T + bias for at most 16 rows of bf16 (CPU, AVX512-BF16)");
-    m.attr("MAX_ROWS") = kMaxRows;
+    m.def("linear", &linear, "x @ weight.T + bias in bf16 from the packed weight (CPU, AVX512-BF16)");
 }

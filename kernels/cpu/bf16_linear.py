@@ -1,6 +1,6 @@
-"""bfloat16 linear layers of at most 16 rows (a decode step's) on CPUs with AVX512-BF16
-(few_rows_linear.cpp, compiled when this module is first imported): the weight in a layout of
-its own, packed once at load beside oneDNN's (which longer steps keep using).
+"""bfloat16 linear layers on CPUs with AVX512-BF16 and no AMX (bf16_linear.cpp, compiled when
+this module is first imported): the weight packed once at load into a layout of its own, which
+every step then reads, whatever its row count.
 
 Its sums are float32 in another order than oneDNN's, so its outputs are F.linear's up to the
 last bit of the bf16 rounding, not bit for bit."""
@@ -11,9 +11,8 @@ import torch
 
 from kernels.cpu.extension import build
 
-_module = build("few_rows_linear.cpp", "pagedserve_cpu_few_rows_linear")
+_module = build("bf16_linear.cpp", "pagedserve_cpu_bf16_linear")
 
-MAX_ROWS: int = _module.MAX_ROWS
 # The build has the kernel (AVX512-BF16); and whether to take it over oneDNN here (no AMX).
 AVAILABLE: bool = _module.available()
 PREFERRED: bool = _module.preferred()
@@ -30,12 +29,10 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in the kernel's layout (out padded to a multiple of 32)."""
+    """The weight [out, in] in the kernel's layout, as an [out, in] tensor (like oneDNN's)."""
     return _module.pack(weight.detach())
 
 
-def linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] @ weight.T + bias, from the packed weight."""
-    return _module.linear(x.contiguous(), packed, bias, out_features)
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight.T + bias, from the packed weight."""
+    return _module.linear(x.contiguous(), packed, bias)

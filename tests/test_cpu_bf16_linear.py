@@ -1,8 +1,9 @@
-"""The bfloat16 linear of at most 16 rows (kernels/cpu/few_rows_linear.cpp) against a float32
-reference and F.linear: every row count, output sizes that are not a multiple of its 32-column
-blocks, with and without a bias; what it refuses; and that the engine packs a copy for it only
-where it is preferred, and then runs decode steps on it with the tokens and logprobs of
-`--enforce-eager`."""
+"""The bfloat16 linear of our own (kernels/cpu/bf16_linear.cpp) against a float32 reference and
+F.linear: every row count of a decode step and prefill-sized ones across its row blocks, output
+sizes that are not a multiple of its 32-column blocks, with and without a bias; what it
+refuses; and that the engine packs its weights for it only where it is preferred, and then runs
+prefill and decode steps on it with the tokens of `--enforce-eager` and logprobs within a bf16
+rounding of them."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.models.layers.linear import PackableLinear
-from kernels.cpu import few_rows_linear
+from kernels.cpu import bf16_linear, packed_linear
 from tests.prompts import shared_prefix_prompts
 
 pytestmark = pytest.mark.skipif(
-    not few_rows_linear.AVAILABLE, reason="this CPU has no AVX512-BF16 (oneDNN takes every step)"
+    not bf16_linear.AVAILABLE, reason="this CPU has no AVX512-BF16 (oneDNN takes every step)"
 )
+
+# Decode steps (1-16), one past the register tile's multiples, and prefill-sized steps that
+# cross the 256-row work items.
+ROW_COUNTS = [*range(1, 18), 100, 256, 257, 600]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -28,11 +33,12 @@ def test_every_row_count_against_float32(bias: bool, out_features: int, in_featu
     gen = torch.Generator().manual_seed(out_features + in_features + bias)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    packed = few_rows_linear.pack(weight)
-    assert packed.shape == (-(-out_features // 32) * 2, in_features // 2, 16, 2)
-    for rows in range(1, few_rows_linear.MAX_ROWS + 1):
+    packed = bf16_linear.pack(weight)
+    assert packed.shape == (out_features, in_features)  # the layer's shape, like oneDNN's
+    assert packed.untyped_storage().nbytes() == -(-out_features // 32) * 32 * in_features * 2
+    for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
-        got = few_rows_linear.linear(x, packed, b, out_features)
+        got = bf16_linear.linear(x, packed, b)
         want = F.linear(x.float(), weight.float(), None if b is None else b.float())
         # float32 sums (exact products), one rounding to bf16: within half a bf16 unit of the
         # float32 result, plus the float32 sums' own error.
@@ -45,22 +51,22 @@ def test_padding_columns_are_not_written() -> None:
     weight = torch.randn(17, 64).bfloat16()
     x = torch.randn(3, 64).bfloat16()
     full = torch.full((4, 17), 7.0, dtype=torch.bfloat16)
-    full[:3] = few_rows_linear.linear(x, few_rows_linear.pack(weight), None, 17)
+    full[:3] = bf16_linear.linear(x, bf16_linear.pack(weight), None)
     assert bool((full[3] == 7.0).all())
     torch.testing.assert_close(full[:3], F.linear(x, weight), rtol=2**-7, atol=1e-2)
 
 
 def test_refuses_what_it_cannot_take() -> None:
     weight = torch.randn(64, 32).bfloat16()
-    packed = few_rows_linear.pack(weight)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        few_rows_linear.linear(torch.randn(17, 32).bfloat16(), packed, None, 64)
+    packed = bf16_linear.pack(weight)
     with pytest.raises(RuntimeError, match="does not match"):
-        few_rows_linear.linear(torch.randn(2, 30).bfloat16(), packed, None, 64)
-    with pytest.raises(RuntimeError, match="does not match"):
-        few_rows_linear.linear(torch.randn(2, 32).bfloat16(), packed, None, 65)
-    assert not few_rows_linear.can_pack(torch.randn(64, 31).bfloat16())  # odd input size
-    assert not few_rows_linear.can_pack(weight.float())
+        bf16_linear.linear(torch.randn(2, 30).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="not packed by"):  # as loaded: no padded columns
+        bf16_linear.linear(torch.randn(2, 32).bfloat16(), torch.randn(17, 32).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16_linear.linear(torch.randn(2, 32).bfloat16(), packed, torch.zeros(63).bfloat16())
+    assert not bf16_linear.can_pack(torch.randn(64, 31).bfloat16())  # odd input size
+    assert not bf16_linear.can_pack(weight.float())
 
 
 def _packable(llm: LLM) -> list[PackableLinear]:
@@ -68,22 +74,38 @@ def _packable(llm: LLM) -> list[PackableLinear]:
     return [m for m in model.modules() if isinstance(m, PackableLinear)]
 
 
-def test_no_copy_where_onednn_is_preferred(
+def _own_layout(packed: torch.Tensor) -> bool:
+    """Whether a packed weight is this kernel's (a plain tensor over 32-column padded blocks)
+    rather than oneDNN's (an opaque mkldnn tensor)."""
+    if packed.is_mkldnn:
+        return False
+    out_features, in_features = packed.shape
+    return packed.untyped_storage().nbytes() == -(-out_features // 32) * 32 * in_features * 2
+
+
+def test_onednn_layout_where_it_is_preferred(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(few_rows_linear, "PREFERRED", False)
+    """The stand-in for an AMX CPU: every weight goes to oneDNN, and the steps run on it."""
+    monkeypatch.setattr(packed_linear, "own_layout", lambda: False)
     llm = LLM(str(llama_dir), dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
-    assert all(m.packed is not None and m.few_rows is None for m in _packable(llm))
-    assert llm.engine.executor.runner.model.lm_head_few_rows is None
+    packed = [m.packed for m in _packable(llm)]
+    assert packed and all(p is not None and p.is_mkldnn for p in packed)
+    model = llm.engine.executor.runner.model
+    # the head: among the linears above, or the embedding's copy where tied
+    assert (model.lm_head_packed is not None) == model.tie_word_embeddings
+    assert model.layer_stack is not None
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3
 
 
 @pytest.mark.skipif(
-    not few_rows_linear.PREFERRED,
+    not bf16_linear.PREFERRED,
     reason="this CPU has AMX: oneDNN's tile path takes every step (the kernel is not preferred)",
 )
-def test_engine_decodes_on_it_with_eager_tokens_and_logprobs(llama_dir: Path) -> None:
-    """Llama (its head too), chunked and prefix-cached prefill on oneDNN,
-    decode steps of at most 16 rows on the kernel, in the C++ layer loop and the Python layers."""
+def test_engine_runs_on_it_with_eager_tokens_and_logprobs(llama_dir: Path) -> None:
+    """Llama (its head too), chunked and prefix-cached prefill and decode steps on the
+    kernel, in the C++ layer loop and the Python layers; one copy of each weight."""
     from transformers import AutoTokenizer
 
     prompts = [
@@ -97,9 +119,11 @@ def test_engine_decodes_on_it_with_eager_tokens_and_logprobs(llama_dir: Path) ->
         llm = LLM(str(llama_dir), dtype="bfloat16", enforce_eager=mode == "eager", **settings)
         model = llm.engine.executor.runner.model
         if mode != "eager":
-            assert all(m.few_rows is not None for m in _packable(llm))
-            # the head: a linear of its own, or the embedding's copy where tied
-            assert (model.lm_head_few_rows is not None) == model.tie_word_embeddings
+            layers = _packable(llm)
+            assert all(m.weight is None and m.packed is not None for m in layers)
+            assert all(_own_layout(m.packed) for m in layers if m.packed is not None)
+            # the head: among the linears above, or the embedding's copy where tied
+            assert (model.lm_head_packed is not None) == model.tie_word_embeddings
             assert model.layer_stack is not None
         if mode == "python":
             model.layer_stack = None
