@@ -27,6 +27,15 @@ pytestmark = pytest.mark.skipif(
 ROW_COUNTS = [*range(1, 18), 100, 256, 257, 600]
 
 
+def _own_layout(packed: torch.Tensor) -> bool:
+    """Whether a packed weight is this kernel's (a plain tensor over 32-column padded blocks)
+    rather than oneDNN's (an opaque mkldnn tensor)."""
+    if packed.is_mkldnn:
+        return False
+    out_features, in_features = packed.shape
+    return packed.untyped_storage().nbytes() == -(-out_features // 32) * 32 * in_features * 2
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (200, 96), (17, 8), (576, 1536)])
 def test_every_row_count_against_float32(bias: bool, out_features: int, in_features: int) -> None:
@@ -35,7 +44,7 @@ def test_every_row_count_against_float32(bias: bool, out_features: int, in_featu
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     packed = bf16_linear.pack(weight)
     assert packed.shape == (out_features, in_features)  # the layer's shape, like oneDNN's
-    assert packed.untyped_storage().nbytes() == -(-out_features // 32) * 32 * in_features * 2
+    assert _own_layout(packed)  # over 32-column blocks, padded
     for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         got = bf16_linear.linear(x, packed, b)
@@ -72,15 +81,6 @@ def test_refuses_what_it_cannot_take() -> None:
 def _packable(llm: LLM) -> list[PackableLinear]:
     model = llm.engine.executor.runner.model
     return [m for m in model.modules() if isinstance(m, PackableLinear)]
-
-
-def _own_layout(packed: torch.Tensor) -> bool:
-    """Whether a packed weight is this kernel's (a plain tensor over 32-column padded blocks)
-    rather than oneDNN's (an opaque mkldnn tensor)."""
-    if packed.is_mkldnn:
-        return False
-    out_features, in_features = packed.shape
-    return packed.untyped_storage().nbytes() == -(-out_features // 32) * 32 * in_features * 2
 
 
 def test_onednn_layout_where_it_is_preferred(

@@ -159,5 +159,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("available", &available, "whether the build has the kernel (AVX512-BF16)");
     m.def("preferred", &preferred, "whether to take it over oneDNN on this CPU (AVX512-BF16, no AMX)");
     m.def("pack", &pack, "a [N, K] bf16 weight in the kernel's layout");
-    m.def("linear", &linear, "x @ weight.T + bias in bf16 from the packed weight (CPU, AVX512-BF16)");
 }

@@ -34,5 +34,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ weight.T + bias, from the packed weight."""
-    return _module.linear(x.contiguous(), packed, bias)
+    """x [rows, in] @ weight.T + bias, from the packed weight (through the torch operator the
+    C++ layer loop calls too)."""
+    return torch.ops.pagedserve.bf16_linear(x.contiguous(), packed, bias)

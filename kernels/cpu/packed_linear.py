@@ -57,7 +57,9 @@ def linear(
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if own_layout():
-        out = torch.ops.pagedserve.bf16_linear(rows.contiguous(), packed, bias)
+        from kernels.cpu import bf16_linear
+
+        out = bf16_linear.linear(rows, packed, bias)
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
