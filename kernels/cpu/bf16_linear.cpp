@@ -85,17 +85,20 @@ void tile(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, const at
         }
     }
     const int64_t col0 = block * kCols;
-    // Columns of each vector that exist (the packed weight pads N to a multiple of 32).
-    const __mmask16 m0 = static_cast<__mmask16>(col0 >= n ? 0 : n - col0 >= kCols ? 0xFFFF : (1u << (n - col0)) - 1);
-    const __mmask16 m1 =
-        static_cast<__mmask16>(col0 + kCols >= n ? 0 : n - col0 - kCols >= kCols ? 0xFFFF : (1u << (n - col0 - kCols)) - 1);
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias != nullptr) {  // bf16 widened: its bits shifted to the top half of a float32
-        const auto* bits = reinterpret_cast<const uint16_t*>(bias + col0);
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bits)), 16));
-        b1 = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bits + kCols)), 16));
-    }
+    // The columns from `col` on that exist, of a vector's 16 (the packed weight pads N to a
+    // multiple of 32).
+    const auto existing = [n](int64_t col) {
+        const int64_t left = n - col;
+        return static_cast<__mmask16>(left <= 0 ? 0 : left >= kCols ? 0xFFFF : (1u << left) - 1);
+    };
+    const __mmask16 m0 = existing(col0), m1 = existing(col0 + kCols);
+    // The bias's columns, bf16 widened (its bits shifted to the top half of a float32), or zeros.
+    const auto bias_at = [bias](int64_t col, __mmask16 mask) {
+        if (bias == nullptr) return _mm512_setzero_ps();
+        const auto* bits = reinterpret_cast<const uint16_t*>(bias + col);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bits)), 16));
+    };
+    const __m512 b0 = bias_at(col0, m0), b1 = bias_at(col0 + kCols, m1);
     for (int r = 0; r < R; ++r) {
         auto* dst = reinterpret_cast<uint16_t*>(out + r * n + col0);
         _mm256_mask_storeu_epi16(dst, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(a0[r], b0))));
