@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -234,13 +235,18 @@ def test_dockerfile_copy_sources_exist_and_reach_the_build_context() -> None:
     assert {".venv", ".git"} <= set(ignored)
 
 
-def test_dockerfile_installs_every_package_of_the_project() -> None:
-    # pyproject.toml ships config, engine, kernels and server: each must be copied before `pip install .`.
+def project_packages() -> list[str]:
+    """The top-level packages pyproject.toml ships (config, engine, kernels, server)."""
     include = re.search(
         r"^include = (\[.*\])$", (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.MULTILINE
     )
     assert include is not None
-    packages = {p.rstrip("*") for p in json.loads(include.group(1))}
+    return [p.rstrip("*") for p in json.loads(include.group(1))]
+
+
+def test_dockerfile_installs_every_package_of_the_project() -> None:
+    # Each package pyproject.toml ships must be copied before `pip install .`.
+    packages = set(project_packages())
     copied = {
         args.split()[0]
         for op, args in dockerfile_instructions()
@@ -251,6 +257,49 @@ def test_dockerfile_installs_every_package_of_the_project() -> None:
         op == "RUN" and "pip install --no-cache-dir ." in args
         for op, args in dockerfile_instructions()
     )
+
+
+def test_a_built_wheel_carries_every_file_the_packages_read(tmp_path: Path) -> None:
+    # `pip install .` (the image, any non-editable install) installs the wheel, not the checkout:
+    # a source the packages read at run time (the CPU kernels' C++, built on first use) must be in
+    # it, or such an install quietly takes the slow fallback. Built from a copy so that the
+    # checkout gets no build/ or egg-info.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    packages = project_packages()
+    for package in packages:
+        shutil.copytree(
+            ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(tree),
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("pagedserve-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    needed = {
+        path.relative_to(tree).as_posix()
+        for package in packages
+        for path in (tree / package).rglob("*")
+        if path.is_file() and path.suffix != ".pyc"
+    }
+    assert any(name.endswith(".cpp") for name in needed)
+    assert sorted(needed - shipped) == []
 
 
 # --------------------------------------------------------------------------- YAML and dashboard
