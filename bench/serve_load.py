@@ -244,7 +244,6 @@ async def run_load(
     if model is None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0)) as http:
             model = await first_model_id(http, base_url)
-    # The measured requests go through SSEClient, not httpx: see sse_stream.py for why.
     client = SSEClient(f"{base_url}/v1/completions")
     try:
         # Warm-up requests are not measured: first-call allocation and kernel selection are not load.

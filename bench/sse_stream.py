@@ -57,7 +57,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._keep_alive = True
         self._chunked = False
         self._left: int | None = None  # Content-Length bytes still to come (None: until close)
-        self._chunk_left = 0  # of the current chunk's data; -1: its CRLF is next
+        self._chunk_left = 0  # of the current chunk's data; -1: its CRLF next; -2: trailers next
         self._done = False
 
     def send(self, request: bytes, on_data: Callable[[bytes], None]) -> asyncio.Future[StreamEnd]:
