@@ -22,9 +22,10 @@ pytestmark = pytest.mark.skipif(
     not bf16_linear.AVAILABLE, reason="this CPU has no AVX512-BF16 (oneDNN takes every step)"
 )
 
-# Decode steps (1-16), one past the register tile's multiples, and prefill-sized steps that
-# cross the 256-row work items.
-ROW_COUNTS = [*range(1, 18), 100, 256, 257, 600]
+# No rows, decode steps (1-16), one past the register tile's multiples, and prefill-sized
+# steps, split into blocks of at most 256 rows: whole ones, and counts split evenly (258:
+# 136 + 122, 600: 200 x 3, 2,049: 9 blocks of 232 and a last of 193).
+ROW_COUNTS = [*range(18), 100, 256, 257, 258, 600, 2049]
 
 
 def _own_layout(packed: torch.Tensor) -> bool:

@@ -147,16 +147,23 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kBFloat16),
                 "bf16_linear: bias is n contiguous bf16 values");
     auto out = torch::empty({m, n}, x.options());
+    if (m == 0) return out;
 #if defined(__AVX512BF16__)
     const auto* xp = x.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
     const at::BFloat16* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
     auto* op = out.data_ptr<at::BFloat16>();
     const int64_t column_items = padded_columns(n) / kBlockCols;
-    const int64_t items = (m + kRowBlock - 1) / kRowBlock * column_items;
+    // The rows split evenly over the fewest blocks of at most kRowBlock (a multiple of the
+    // register tile each). The threads take contiguous runs of work items, so blocks of unequal
+    // rows are unequal work: a step of 256 prefill rows and 2 decode rows, cut 256 + 2, left one
+    // core multiplying alone (the default model's linears took 244 ms instead of 134).
+    const int64_t fewest_blocks = (m + kRowBlock - 1) / kRowBlock;
+    const int64_t block_rows = ((m + fewest_blocks - 1) / fewest_blocks + kRowTile - 1) / kRowTile * kRowTile;
+    const int64_t items = (m + block_rows - 1) / block_rows * column_items;
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {  // row blocks outer: a thread's items share inputs
-            const int64_t row0 = i / column_items * kRowBlock, rows = std::min(kRowBlock, m - row0);
+            const int64_t row0 = i / column_items * block_rows, rows = std::min(block_rows, m - row0);
             const int64_t block = 2 * (i % column_items);
             if (rows <= kPrefetchRows) {
                 rows_of<kRowTile, true>(rows, xp + row0 * k, k, wp, bp, op + row0 * n, n, block);
