@@ -61,7 +61,7 @@ def platform(
         (platform(TURING), None, "triton", 16, ["compute capability 8.0 or later", "7.5"]),
         (platform(HOPPER, head_dim=512), None, "triton", 16, ["head dim 512"]),
         (
-            platform(HOPPER, missing=("flash_attn.cute", "flash_attn", "triton")),
+            platform(HOPPER, missing=("flash_attn.cute", "flash_attn.flash_attn_interface", "triton")),
             None,
             "torch",
             16,
@@ -122,9 +122,9 @@ def test_triton_on_a_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPa
         ("flash-attn", platform(TURING), None, "8.0 or later"),
         (
             "flash-attn",
-            platform(AMPERE, missing=("flash_attn",)),
+            platform(AMPERE, missing=("flash_attn.flash_attn_interface",)),
             None,
-            "flash_attn is not installed",
+            "flash_attn.flash_attn_interface is not installed",
         ),
         ("flash-attn-4", platform(AMPERE), None, "Hopper and Blackwell"),
         (
@@ -169,6 +169,24 @@ def test_import_error_names_what_is_missing_or_broken(
     reason = import_error("broken_kernels_pkg")
     assert reason is not None and "does not import: OSError: libcudart.so.13" in reason
     assert "broken_kernels_pkg" not in sys.modules
+
+
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flash-attn 4 installs only `flash_attn/cute/`: `import flash_attn` then succeeds as a
+    namespace package, but flash-attn 2's functions are not there."""
+    cute = tmp_path / "flash_attn" / "cute"
+    cute.mkdir(parents=True)
+    (cute / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    hopper = Platform("cuda", torch.bfloat16, 128, HOPPER, import_error)
+    assert import_error("flash_attn") is None  # the trap: the namespace package imports
+    with pytest.raises(ConfigError, match="flash_attn.flash_attn_interface does not import"):
+        choose("flash-attn", hopper, 256)
+    assert choose("flash-attn-4", hopper).name == "flash-attn-4"
 
 
 def test_the_config_accepts_exactly_the_registered_backends() -> None:

@@ -14,6 +14,9 @@ from kernels.attention.backend import AttentionBackend
 from kernels.attention.platform import Platform
 
 CPU_KERNEL_MODULE = "kernels.cpu.paged_attention_op"  # importing it builds the kernel
+# flash-attn 4 ships only `flash_attn/cute/`, which makes `flash_attn` a namespace package that
+# imports with flash-attn 2 absent: flash-attn 2 is there when its interface module is.
+FA2_MODULE = "flash_attn.flash_attn_interface"
 DEFAULT_BLOCK_SIZE = 16
 FA2_BLOCK_SIZE = 256  # flash-attn 2's paged kernels need a multiple of 256
 FA4_BLOCK_SIZE = 128  # flash-attn 4's fast path wants a page the size of its tile (128 on Hopper)
@@ -62,7 +65,7 @@ def _fa2_unfit(p: Platform, block_size: int | None) -> str | None:
         return (
             f"its paged kernels need --block-size a multiple of {FA2_BLOCK_SIZE}, got {block_size}"
         )
-    return p.importable("flash_attn")
+    return p.importable(FA2_MODULE)
 
 
 def _triton_unfit(p: Platform, block_size: int | None) -> str | None:
