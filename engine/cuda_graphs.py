@@ -7,6 +7,10 @@ replayed. Everything a graph reads sits in static buffers that each step overwri
 positions, cache slots, block tables and context lengths. Padded requests write nowhere (slot
 -1) and read one key of block 0, so they cost a little work and change nothing.
 
+A step uploads only the block-table columns its longest request uses: the buffer is as wide as
+`max_model_len` allows (16 MB of int32 at 256 requests of an 8k-token model), and a request
+reads no column past its own length, so what earlier, wider steps left there is never read.
+
 With `capture=False` the same buffers feed the model eagerly: the padding is exercised where
 there is no CUDA (tests) or the backend cannot be captured.
 """
@@ -88,12 +92,13 @@ class DecodeGraphs:
         """Hidden states of the rows in `batch.logits_indices`, by replay when the padded size was captured."""
         n = len(batch.query_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        inp = pad_decode(batch, size, self.width).to_device(self.device, upload)
+        width = batch.block_tables.shape[1]
+        inp = pad_decode(batch, size, width).to_device(self.device, upload)
         self.input_ids[:size].copy_(inp.input_ids)
         self.positions[:size].copy_(inp.positions)
         self.slots[:size].copy_(inp.attn.slot_mapping)
         self.seqlens[:size].copy_(inp.attn.seqlens_k)
-        self.tables[:size].copy_(inp.attn.block_tables)
+        self.tables[:size, :width].copy_(inp.attn.block_tables)
         graph = self.graphs.get(size)
         if graph is None:
             hidden = self._forward(size, inp.attn.context_lens)

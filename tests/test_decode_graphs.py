@@ -50,7 +50,7 @@ def test_pad_decode_adds_requests_that_store_nothing() -> None:
     ("model_fixture", "backend"), [("llama_dir", "torch"), ("qwen3_dir", "triton")]
 )
 def test_padded_decode_steps_give_the_same_tokens(
-    model_fixture: str, backend: str, request
+    model_fixture: str, backend: str, request, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunked, preempted and prefix-cached (as tests/test_triton_kernels.py runs them), with
     every decode step padded: 5 requests, so steps of 5, 4, 3... rows run as 6, 4, 4, ..."""
@@ -90,6 +90,13 @@ def test_padded_decode_steps_give_the_same_tokens(
         return run(batch, upload)
 
     graphs.run = recorded
+    widths: list[tuple[int, int]] = []
+
+    def narrow(batch: HostBatch, size: int, width: int) -> HostBatch:
+        widths.append((batch.block_tables.shape[1], width))
+        return pad_decode(batch, size, width)
+
+    monkeypatch.setattr("engine.cuda_graphs.pad_decode", narrow)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):
@@ -99,4 +106,6 @@ def test_padded_decode_steps_give_the_same_tokens(
     assert llm.last_run_stats.num_preemptions > 0 and llm.last_run_stats.prefix_cache_hits > 0
     assert any(n < size for n, size in sizes), sizes  # some steps were padded
     assert {n for n, _ in sizes} >= {1, 2}
+    # Only the columns the step uses travel, and the buffer's stale columns change nothing above.
+    assert all(used == sent for used, sent in widths) and min(w for w, _ in widths) < 128 // 16
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
