@@ -61,7 +61,9 @@ def platform(
         (platform(TURING), None, "triton", 16, ["compute capability 8.0 or later", "7.5"]),
         (platform(HOPPER, head_dim=512), None, "triton", 16, ["head dim 512"]),
         (
-            platform(HOPPER, missing=("flash_attn.cute", "flash_attn.flash_attn_interface", "triton")),
+            platform(
+                HOPPER, missing=("flash_attn.cute", "flash_attn.flash_attn_interface", "triton")
+            ),
             None,
             "torch",
             16,
