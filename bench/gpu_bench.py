@@ -69,6 +69,7 @@ class Settings:
     engine_args: Record
     out: Path
     time_limit_s: float | None
+    transformers: bool
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -120,6 +121,14 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         "--enforce-eager", action="store_true", help="passed to the engine: no CUDA graphs"
     )
     parser.add_argument(
+        "--attention-backend", default=None, help="passed to the engine when given (default: auto)"
+    )
+    parser.add_argument(
+        "--skip-transformers",
+        action="store_true",
+        help="time pagedserve alone (e.g. a second backend or --enforce-eager on the same run)",
+    )
+    parser.add_argument(
         "--time-limit-s",
         type=float,
         default=None,
@@ -147,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
+    if args.attention_backend is not None:
+        engine_args["attention_backend"] = args.attention_backend
     settings = Settings(
         device=device,
         dtype=engine_args["dtype"],
@@ -164,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         engine_args=engine_args,
         out=args.out,
         time_limit_s=args.time_limit_s,
+        transformers=not args.skip_transformers,
     )
     if not 1 <= settings.min_len <= settings.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
@@ -294,6 +306,11 @@ def run_model(
             {"batch": p["batch"], **part(paged, f"decode_{p['batch']}", stopped)} for p in plans
         ]
     batch_size = spec.tiny_hf_batch_size if settings.tiny else spec.hf_batch_size
+    if not settings.transformers:
+        skipped = {"status": "skipped: --skip-transformers"}
+        result["transformers_static"] = {"batch_size": batch_size, **skipped}
+        result["transformers_generate_batch"] = skipped
+        return result
     # The tiny run times every request, so that the static loop runs more than one batch.
     count = min(
         settings.num_requests,
@@ -464,7 +481,11 @@ def failures(report: Record) -> list[str]:
         if "decode_rows" in result:
             checked += [("copy bandwidth", result["bandwidth"])]
             checked += [(f"decode batch {r['batch']}", r) for r in result["decode_rows"]]
-        bad += [f"{name} {what}: {r['status']}" for what, r in checked if r["status"] != "ok"]
+        bad += [
+            f"{name} {what}: {r['status']}"
+            for what, r in checked
+            if r["status"] != "ok" and not r["status"].startswith("skipped: --skip")
+        ]
     return bad
 
 
@@ -481,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     lengths = workload_lengths(settings)
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-        stages = Stages(Path(tmp), settings.time_limit_s, 1 + 2 * len(settings.models))
+        per_model = 2 if settings.transformers else 1
+        stages = Stages(Path(tmp), settings.time_limit_s, 1 + per_model * len(settings.models))
         built, stopped = stages.run(
             "build",
             {

