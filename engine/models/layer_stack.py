@@ -18,12 +18,6 @@ from engine.models.layers.linear import PackableLinear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.llama import PreNormLayer
 from kernels.attention import AttentionMetadata
-from kernels.attention.cpu_backend import (
-    KERNEL_MAX_QUERY_LEN,
-    long_chunks,
-    prefill_kernel_takes,
-    sdpa_chunks,
-)
 from kernels.cpu import packed_linear
 from kernels.kv_store import stored_rows
 
@@ -61,7 +55,12 @@ def _stackable_layers(model: CausalLM) -> list[PreNormLayer] | str:
 
 class CpuLayerStack:
     def __init__(self, layers: list[PreNormLayer]) -> None:
-        from kernels.cpu.layer_stack import LAYER_TENSORS, LayerStack  # built on first use
+        # Imported here, not with this module: both load C++ kernels, which the engine must be
+        # importable without (kernels/cpu/extension.py); this class exists only where they load.
+        from kernels.attention import cpu_backend
+        from kernels.cpu.layer_stack import LAYER_TENSORS, LayerStack
+
+        self.cpu_backend = cpu_backend
 
         tensors: list[torch.Tensor | None] = []
         windows, plans = [], []
@@ -112,13 +111,15 @@ class CpuLayerStack:
         rows, slots = stored_rows(meta.slot_mapping)  # once a step, for every layer
         long = 0
         plans: list[list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]]
-        if prefill_kernel_takes(x.dtype, k_cache.shape[-1], None):
-            long, plans = long_chunks(meta), [[] for _ in self.windows]
+        if self.cpu_backend.prefill_kernel_takes(x.dtype, k_cache.shape[-1], None):
+            long, plans = self.cpu_backend.long_chunks(meta), [[] for _ in self.windows]
         else:
             plans = [
                 [
                     (c.rows.start, c.rows.stop, c.slots, c.mask)
-                    for c in sdpa_chunks(meta, k_cache.shape[1], x.dtype, x.device, window)
+                    for c in self.cpu_backend.sdpa_chunks(
+                        meta, k_cache.shape[1], x.dtype, x.device, window
+                    )
                 ]
                 for window in self.windows
             ]
@@ -134,7 +135,7 @@ class CpuLayerStack:
             meta.block_tables,
             meta.cu_seqlens_q,
             meta.seqlens_k,
-            KERNEL_MAX_QUERY_LEN,
+            self.cpu_backend.KERNEL_MAX_QUERY_LEN,
             plans,
             long,
             meta.num_reqs,
@@ -150,6 +151,6 @@ def stack_cpu_layers(model: CausalLM) -> str | None:
     assert isinstance(model, DecoderModel)
     try:
         model.layer_stack = CpuLayerStack(layers)
-    except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja
-        return f"kernels.cpu.layer_stack could not be built: {exc}"
+    except ImportError as exc:  # not built, or not for this CPU
+        return f"kernels.cpu.layer_stack does not load: {exc}"
     return None

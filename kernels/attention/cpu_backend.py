@@ -29,9 +29,13 @@ import torch.nn.functional as F
 
 from kernels.attention.backend import AttentionMetadata, check_window_and_softcap
 from kernels.attention.torch_ref import context_slots, visible_keys
-from kernels.cpu import prefill_attention_op
 from kernels.cpu.paged_attention_op import paged_attention
 from kernels.kv_store import store_kv
+
+try:
+    from kernels.cpu import prefill_attention_op
+except ImportError:  # not built, or not for this CPU (logged): long chunks take SDPA
+    prefill_attention_op = None  # type: ignore[assignment]
 
 # Chunks with more query rows than this go through the prefill kernel or SDPA; at and below it
 # the paged kernel is as fast (its 16-row tiles reuse each key while it is in cache) and one call
@@ -97,7 +101,8 @@ def sdpa_chunks(
 def prefill_kernel_takes(dtype: torch.dtype, head_dim: int, softcap: float | None) -> bool:
     """Whether long chunks go to the prefill kernel rather than SDPA."""
     return (
-        prefill_attention_op.AVAILABLE
+        prefill_attention_op is not None
+        and prefill_attention_op.AVAILABLE
         and softcap is None
         and dtype == torch.bfloat16
         and prefill_attention_op.takes_head_dim(head_dim)

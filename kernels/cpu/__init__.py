@@ -1,1 +1,1 @@
-"""C++ kernels for the CPU, built on first use with torch's extension loader."""
+"""C++ kernels for the CPU, built with the package (setup.py) and loaded by extension.py."""

@@ -1,5 +1,5 @@
-"""bfloat16 linear layers on CPUs with AVX512-BF16 and no AMX (bf16_linear.cpp, compiled when
-this module is first imported): the weight packed once at load into a layout of its own, which
+"""bfloat16 linear layers on CPUs with AVX512-BF16 and no AMX (bf16_linear.cpp, built with
+the package; kernels/cpu/extension.py loads it): the weight packed once at load into a layout of its own, which
 every step then reads, whatever its row count.
 
 Its sums are float32 in another order than oneDNN's, so its outputs are F.linear's up to the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.extension import build
+from kernels.cpu.extension import load
 
-_module = build("bf16_linear.cpp", "pagedserve_cpu_bf16_linear")
+_module = load("bf16_linear")
 
 # The build has the kernel (AVX512-BF16); and whether to take it over oneDNN here (no AMX).
 AVAILABLE: bool = _module.available()

@@ -1,21 +1,21 @@
-"""A decoder layer's elementwise work on the CPU as single passes (fused_ops.cpp, compiled when
-this module is first imported): RMSNorm, residual add + RMSNorm, SiLU(gate) * up, rotary in
+"""A decoder layer's elementwise work on the CPU as single passes (fused_ops.cpp, built with
+the package; kernels/cpu/extension.py loads it): RMSNorm, residual add + RMSNorm, SiLU(gate) * up, rotary in
 place. On a 2,048-token prefill step of the default model in bf16 the eager torch ops these
 replace took about half the step (the linear layers a third).
 
 Each returns what the eager torch ops give, rounded at the same points; the float32 sums inside
 an RMSNorm are added in another order, so float32 results may differ in the last bit.
-Built with -ffp-contract=off so that `a * b + c` is not fused into one rounding where torch
-rounds twice.
+Built with -ffp-contract=off (kernels/cpu/targets.py) so that `a * b + c` is not fused into one
+rounding where torch rounds twice.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.extension import build
+from kernels.cpu.extension import load
 
-_module = build("fused_ops.cpp", "pagedserve_cpu_fused_ops", ("-ffp-contract=off",))
+_module = load("fused_ops")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

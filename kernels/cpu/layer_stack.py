@@ -1,5 +1,5 @@
-"""All decoder layers of a Llama-shaped model in one C++ call (layer_stack.cpp, compiled when
-this module is first imported). It calls the fused ops and the attention kernels as torch
+"""All decoder layers of a Llama-shaped model in one C++ call (layer_stack.cpp, built with
+the package). It calls the fused ops and the attention kernels as torch
 operators, so their modules are loaded first."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from kernels.cpu import (  # noqa: F401
     paged_attention_op,
     prefill_attention_op,
 )
-from kernels.cpu.extension import build
+from kernels.cpu.extension import load
 
-LayerStack = build("layer_stack.cpp", "pagedserve_cpu_layer_stack").LayerStack
+LayerStack = load("layer_stack").LayerStack
 
 # The tensors that describe one layer, in the order the C++ constructor reads them (None where a
 # layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not).

@@ -1,13 +1,13 @@
-"""The CPU paged-attention kernel (paged_attention.cpp), compiled when this module is first
-imported (kernels/cpu/extension.py)."""
+"""The CPU paged-attention kernel (paged_attention.cpp), built with the package and loaded by
+kernels/cpu/extension.py."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.extension import build
+from kernels.cpu.extension import load
 
-_module = build("paged_attention.cpp", "pagedserve_cpu_paged_attention")
+_module = load("paged_attention")
 
 # Whether bfloat16 decode rows (head dims 64 and 128, no sliding window, blocks of a multiple of
 # 16 tokens) are multiplied on AMX tiles; elsewhere they take the vector path.

@@ -1,13 +1,13 @@
-"""The CPU prefill-attention kernel for long bfloat16 chunks (prefill_attention.cpp), compiled
-when this module is first imported (kernels/cpu/extension.py)."""
+"""The CPU prefill-attention kernel for long bfloat16 chunks (prefill_attention.cpp), built
+with the package and loaded by kernels/cpu/extension.py."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.extension import build
+from kernels.cpu.extension import load
 
-_module = build("prefill_attention.cpp", "pagedserve_cpu_prefill_attention")
+_module = load("prefill_attention")
 
 # Whether the build has the kernel and torch's bfloat16 micro-kernel runs on this CPU (AMX or
 # AVX512-BF16); without it callers take SDPA.
