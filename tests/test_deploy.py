@@ -189,6 +189,37 @@ def test_dockerfile_runs_as_a_non_root_user() -> None:
     assert "useradd --system --uid 10001" in runs
 
 
+def test_dockerfile_runtime_stage_can_build_tritons_launcher() -> None:
+    # Triton compiles its CUDA launcher at the first kernel launch, and every GPU backend stores
+    # K/V through a Triton kernel: the image that runs needs a C compiler and Python's headers.
+    runs = " ".join(a for op, a in last_stage() if op == "RUN")
+    install = re.search(r"apt-get install ([^&]*)", runs)
+    assert install is not None
+    assert {"gcc", "libc6-dev", "python3-dev"} <= set(install.group(1).split())
+
+
+def build_args() -> dict[str, str]:
+    return {
+        key: value
+        for op, args in dockerfile_instructions()
+        if op == "ARG" and "=" in args
+        for key, _, value in [args.partition("=")]
+    }
+
+
+def test_dockerfile_cuda_base_matches_its_torch_and_installs_flash_attn_4() -> None:
+    args = build_args()
+    # torch 2.13.0's Linux wheel on PyPI is a CUDA 13.0 build (cu13 NVIDIA wheels): a CUDA 12
+    # base would start on drivers that cannot run it, and torch would see no GPU.
+    assert args["TORCH_VERSION"] == "2.13.0"
+    assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-base-ubuntu24\.04", args["BASE_IMAGE"])
+    assert args["FLASH_ATTN4_VERSION"] == "4.0.0b36"
+    runs = " ".join(a for op, a in dockerfile_instructions() if op == "RUN")
+    assert 'pip install --no-cache-dir "flash-attn-4==${FLASH_ATTN4_VERSION}"' in runs
+    # The kernels are built for a portable CPU level, not the build machine's.
+    assert args["CPU_ARCH"] != "native" and 'PAGEDSERVE_CPU_ARCH="${CPU_ARCH}"' in runs
+
+
 def test_dockerfile_is_hadolint_clean() -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
         "hadolint"
@@ -225,6 +256,7 @@ def test_dockerfile_copy_sources_exist_and_reach_the_build_context() -> None:
         "kernels",
         "pyproject.toml",
         "server",
+        "setup.py",
     ]
     ignored = dockerignore_patterns()
     for source in sources:
@@ -255,7 +287,7 @@ def test_dockerfile_installs_every_package_of_the_project() -> None:
     }
     assert packages <= copied
     assert any(
-        op == "RUN" and "pip install --no-cache-dir ." in args
+        op == "RUN" and "pip install --no-cache-dir --no-build-isolation ." in args
         for op, args in dockerfile_instructions()
     )
 
