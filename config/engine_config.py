@@ -69,7 +69,7 @@ class ModelConfig(_Strict):
     )
     attention_backend: AttentionBackendName = Field(
         "auto",
-        description="attention kernel (auto: on a GPU flash-attn 4, flash-attn 2, triton; on the CPU the C++ paged kernel, cpu; else torch)",
+        description="attention kernel (auto: on a GPU triton, else flash-attn 2; on the CPU the C++ paged kernel, cpu; else torch; flash-attn-4 only when named)",
     )
     enforce_eager: bool = Field(
         False,

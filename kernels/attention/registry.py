@@ -1,6 +1,13 @@
 """Every attention backend, one row each: its name, the KV block size it runs with unless told,
 why it cannot run on a platform, and a factory that imports its kernel library only when used.
-The table's order is `auto`'s order of preference; adding a backend is its file plus one row."""
+The table's order is `auto`'s order of preference; adding a backend is its file plus one row.
+
+The order on a GPU is measured, not assumed (bench/RESULTS.md, H100, 2026-11-25): Triton served
+the Qwen3-0.6B-shaped benchmark at 5,714 output tok/s, flash-attn 4 at 2,372 (no CUDA graphs: it
+is not graph-safe, and it JIT-compiles each new shape mid-serving); flash-attn 4's eager decode
+step was slower too up to batch 64 (47 vs 27 ms at batch 1). So `auto` takes Triton, flash-attn 4
+runs only when named, and flash-attn 2 (never run here: no wheel for this torch) only where
+Triton is missing."""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import torch
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.platform import Platform
 
-CPU_KERNEL_MODULE = "kernels.cpu.paged_attention_op"  # importing it builds the kernel
+CPU_KERNEL_MODULE = "kernels.cpu.paged_attention_op"  # imports when its C++ kernel loads
 # flash-attn 4 ships only `flash_attn/cute/`, which makes `flash_attn` a namespace package that
 # imports with flash-attn 2 absent: flash-attn 2 is there when its interface module is.
 FA2_MODULE = "flash_attn.flash_attn_interface"
@@ -114,10 +121,11 @@ def _torch() -> AttentionBackend:
 
 
 BACKENDS: tuple[BackendEntry, ...] = (
-    BackendEntry("flash-attn-4", FA4_BLOCK_SIZE, ("cuda",), _fa4_unfit, _flash_attn4),
-    BackendEntry("flash-attn", FA2_BLOCK_SIZE, ("cuda",), _fa2_unfit, _flash_attn2),
     # Triton runs on the CPU too (TRITON_INTERPRET=1), but only when named: it is slow there.
     BackendEntry("triton", DEFAULT_BLOCK_SIZE, ("cuda",), _triton_unfit, _triton),
+    BackendEntry("flash-attn", FA2_BLOCK_SIZE, ("cuda",), _fa2_unfit, _flash_attn2),
+    # Only when named: measured slower than Triton end to end (see above).
+    BackendEntry("flash-attn-4", FA4_BLOCK_SIZE, (), _fa4_unfit, _flash_attn4),
     BackendEntry("cpu", DEFAULT_BLOCK_SIZE, ("cpu",), _cpu_unfit, _cpu),
     # The reference: runs anywhere, slowly; `auto` falls back to it when nothing above can run.
     BackendEntry("torch", DEFAULT_BLOCK_SIZE, (), lambda p, b: None, _torch),

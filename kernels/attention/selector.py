@@ -1,10 +1,11 @@
 """Choose the attention backend and its KV block size at start-up, and say which and why.
 
 `auto` takes the first row of the backend table (`registry.BACKENDS`) that can run: on a GPU
-flash-attn 4 (Hopper and Blackwell), flash-attn 2 (Ampere and later), Triton (any CUDA GPU); on
-the CPU the C++ paged kernel (built on first use); the torch reference (anywhere) when none of
-those can. The flash-attn kernels take half-precision tensors only, and flash-attn 2's paged
-kernels want blocks of a multiple of 256 tokens, so the block size is settled here too.
+Triton (measured fastest on an H100, see the registry), then flash-attn 2 (Ampere and later);
+on the CPU the C++ paged kernel (built when the package is installed); the torch reference
+(anywhere) when none of those can. flash-attn 4 runs when named. The flash-attn kernels take
+half-precision tensors only, and flash-attn 2's paged kernels want blocks of a multiple of 256
+tokens, so the block size is settled here too.
 """
 
 from __future__ import annotations
