@@ -16,14 +16,16 @@ FROM ${BASE_IMAGE} AS build
 
 ARG TORCH_VERSION=2.13.0
 # flash-attn 4 (`flash_attn.cute`, Hopper and Blackwell) is pure Python over nvidia-cutlass-dsl:
-# installed from PyPI. Empty: not installed (the CPU image in CI leaves it out).
+# installed from PyPI with its `cu13` extra, which adds the DSL's CUDA 13 libraries to match
+# torch's CUDA (those ran on an H100, bench/RESULTS.md). Empty: not installed (the CPU image in
+# CI leaves it out).
 ARG FLASH_ATTN4_VERSION=4.0.0b36
 # flash-attn 2: no release wheel covers torch 2.13 (they stop at 2.10) and PyPI's `flash-attn`
 # is a source build that needs nvcc. deploy/flash-attn2.Dockerfile builds a wheel for this
 # torch; pass its URL or path (a wheel served to the build, e.g. from 127.0.0.1) as
 #   --build-arg FLASH_ATTN_WHEEL=<wheel>
-# Left empty, it is not installed: flash-attn 4 (on Hopper/Blackwell) or the Triton paged kernel
-# serves (kernels/attention/registry.py).
+# Left empty, it is not installed. Either way the Triton paged kernel serves unless
+# --attention-backend names another: it measured fastest (kernels/attention/registry.py).
 ARG FLASH_ATTN_WHEEL=""
 # The CPU the C++ CPU kernels are built for: an image runs on machines it was not built on, so
 # not `native` (an AVX2 level; a CPU without it, or an aarch64 build, leaves them to torch ops).
@@ -57,7 +59,7 @@ RUN pip install --no-cache-dir --upgrade "pip==25.2" "setuptools==80.9.0" \
 
 # The versions are the build arguments; the wheel's URL is its pin.
 # hadolint ignore=DL3013
-RUN if [ -n "${FLASH_ATTN4_VERSION}" ]; then pip install --no-cache-dir "flash-attn-4==${FLASH_ATTN4_VERSION}"; fi \
+RUN if [ -n "${FLASH_ATTN4_VERSION}" ]; then pip install --no-cache-dir "flash-attn-4[cu13]==${FLASH_ATTN4_VERSION}"; fi \
     && if [ -n "${FLASH_ATTN_WHEEL}" ]; then pip install --no-cache-dir "${FLASH_ATTN_WHEEL}"; fi
 
 WORKDIR /src

@@ -215,7 +215,8 @@ def test_dockerfile_cuda_base_matches_its_torch_and_installs_flash_attn_4() -> N
     assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-base-ubuntu24\.04", args["BASE_IMAGE"])
     assert args["FLASH_ATTN4_VERSION"] == "4.0.0b36"
     runs = " ".join(a for op, a in dockerfile_instructions() if op == "RUN")
-    assert 'pip install --no-cache-dir "flash-attn-4==${FLASH_ATTN4_VERSION}"' in runs
+    # The cu13 extra: the CUTLASS DSL built for CUDA 13, as torch is.
+    assert 'pip install --no-cache-dir "flash-attn-4[cu13]==${FLASH_ATTN4_VERSION}"' in runs
     # The kernels are built for a portable CPU level, not the build machine's.
     assert args["CPU_ARCH"] != "native" and 'PAGEDSERVE_CPU_ARCH="${CPU_ARCH}"' in runs
 
