@@ -4,8 +4,9 @@
 Each layer's work is the same ops with the same operands as `PreNormLayer` with the fused CPU ops
 and the CPU attention backend, so the hidden states are the same numbers; what goes away is the
 per-op Python, which at a decode step's few rows cost as much as the arithmetic (profile and
-numbers: bench/README.md). Only for the models and settings that path covers: a gated SiLU MLP,
-Llama's RMSNorm, one rotary table, no score softcap, one rank; other models keep their layers.
+numbers: measured 2026-11-24, round F in the git history of bench/README.md). Only for the models
+and settings that path covers: a gated SiLU MLP, Llama's RMSNorm, one rotary table, no score
+softcap, one rank; other models keep their layers.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ block table: hundreds of megabytes a step at a thousand tokens of context, in bl
 KiB. With 4 KiB pages nearly every block costs a TLB miss, and the hardware prefetcher stops at
 each 4 KiB boundary. Asking the kernel for huge pages (`madvise(MADV_HUGEPAGE)` on a fresh
 anonymous mapping, before its first touch) took the default model's decode attention from 36
-to 31 ms a step at 1,088 tokens of context, 16 sequences (2 cores; bench/README.md).
+to 31 ms a step at 1,088 tokens of context, 16 sequences (2 cores; measured 2026-11-24, round E in
+the git history of bench/README.md).
 
 The memory is an anonymous `mmap` owned by the tensor (freed with it). Where the kernel's
 transparent huge pages are off ("never"), or there is no `madvise`, the tensor is the same,

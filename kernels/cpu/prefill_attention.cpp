@@ -6,11 +6,12 @@
 // Why not torch's SDPA: a chunk after cached context first needs its keys gathered and a mask
 // built, and SDPA's causal blocking (256 query rows x 512 keys at 1,024 rows) computes ~1.5x the
 // scores the causal triangle needs, each through a float32 exp that took 38% of its time (perf,
-// bench/README.md); on an AVX512-BF16 CPU without AMX it took 2.4-3x this kernel's time. Here
-// every chunk reads its keys in place through the block table, the tiles are 128 keys wide with
-// the query heads of a KV head stacked into one matrix (so a KV tile is read once for the whole
-// group), and the softmax works in base 2 with a degree-5 polynomial (relative error ~2e-6, far
-// under the bfloat16 rounding of the probabilities it feeds).
+// 2026-11-24: rounds F and I in the git history of bench/README.md); on an AVX512-BF16 CPU without
+// AMX it took 2.4-3x this kernel's time. Here every chunk reads its keys in place through the
+// block table, the tiles are 128 keys wide with the query heads of a KV head stacked into one
+// matrix (so a KV tile is read once for the whole group), and the softmax works in base 2 with a
+// degree-5 polynomial (relative error ~2e-6, far under the bfloat16 rounding of the probabilities
+// it feeds).
 //
 // Two phases, one parallel loop each: (1) each KV head's keys and values of every long chunk are
 // copied, a tile of keys at a time, into the pair-interleaved ("VNNI") layout the micro-kernel
