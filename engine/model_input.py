@@ -187,12 +187,15 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             logits_indices.append(row0 + end - start - 1)
         logits_rows.append((first, len(logits_indices) - first))
 
-    max_blocks = max((len(s.block_table) for s in out.scheduled), default=0)
-    tables = torch.zeros((len(out.scheduled), max(max_blocks, 1)), dtype=torch.int32)
-    for i, s in enumerate(out.scheduled):
-        # A slid-past entry (-1) is read by no backend; block 0 keeps every entry an index.
-        row = torch.tensor(s.block_table, dtype=torch.int32).clamp_(min=0)
-        tables[i, : len(s.block_table)] = row
+    # One tensor made from one flat list: three small tensor ops per request cost ~30 us each
+    # step, 8 ms at 256 requests. A slid-past entry (-1) is read by no backend; block 0 keeps
+    # every entry an index.
+    width = max((len(s.block_table) for s in out.scheduled), default=0) or 1
+    flat: list[int] = []
+    for s in out.scheduled:
+        flat.extend(s.block_table)
+        flat.extend([0] * (width - len(s.block_table)))
+    tables = torch.tensor(flat, dtype=torch.int32).view(len(out.scheduled), width).clamp_(min=0)
     host = HostBatch(
         input_ids,
         positions,
