@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.tokenization import decode
+from engine.tokenization import flat_decoder
 
 _CONTEXT = 6  # prompt tokens decoded as left context of the first output token
 _REPLACEMENT = "\ufffd"
@@ -23,14 +23,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self._decode = flat_decoder(tokenizer, skip_special_tokens)
         self.tokens = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
-
-    def _decode(self, ids: list[int]) -> str:
-        return decode(self.tokenizer, ids, self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """The text this token completes (possibly empty)."""

@@ -3,10 +3,14 @@ calls these with a tokenizer of its own, off its event loop)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# transformers 5 skips its space clean-up for BPE tokenizers unless this attribute says otherwise;
+# transformers 4 has no such attribute and always cleans up when asked.
+_BPE_CLEANUP_FLAG = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 
 
 def encode(
@@ -41,3 +45,26 @@ def decode(
 ) -> str:
     # One flat list of ids decodes to one string (a list of lists would give a list of them).
     return cast(str, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def flat_decoder(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """`decode(tokenizer, ids, skip_special_tokens)` for a flat list of ids, as one function.
+
+    Where that decode is the Rust tokenizer's and nothing else (a fast tokenizer that does not
+    override its decode, with no space clean-up to apply), the function calls the Rust tokenizer
+    directly: transformers' wrapper around it (argument conversion, batch checks) costs several
+    times the decode, and a stream decodes twice per token (bench/host_step.py)."""
+    direct = isinstance(tokenizer, PreTrainedTokenizerFast) and (
+        type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+    )
+    if direct and tokenizer.clean_up_tokenization_spaces:
+        direct = (
+            getattr(tokenizer, _BPE_CLEANUP_FLAG, None) is False
+            and type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+        )
+    if direct:
+        rust = tokenizer.backend_tokenizer
+        return lambda ids: cast(str, rust.decode(ids, skip_special_tokens=skip_special_tokens))
+    return lambda ids: decode(tokenizer, ids, skip_special_tokens)

@@ -3,15 +3,17 @@ broken character and always adds up to what the tokenizer itself decodes."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.tokenization import flat_decoder
 from tests.models import tokenizer_dir
 
 REPLACEMENT = "\ufffd"
@@ -136,7 +138,6 @@ def _sentencepiece_style_tokenizer():
     """A tiny tokenizer decoding like Llama-2's SentencePiece one: "▁" marks a space, the first
     leading space of a decode is dropped, and rare characters fall back to <0xNN> byte tokens."""
     from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
@@ -195,3 +196,46 @@ def test_engine_stream_deltas_add_up(llama_dir: Path) -> None:
         assert completion.text == engine.tokenizer.decode(
             completion.token_ids, skip_special_tokens=True
         )
+
+
+def _wordpiece_tokenizer_that_cleans_up() -> PreTrainedTokenizerFast:
+    """WordPiece, where transformers' decode removes the space before punctuation afterwards."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3, ".": 4, "##s": 5}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+
+
+def test_flat_decoder_is_decode(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream's decoder gives what the tokenizer's decode gives, specials skipped or kept, on
+    random windows of the vocabulary (byte fragments and special tokens included); on these
+    byte-level BPE tokenizers it goes to the Rust tokenizer without transformers' wrapper."""
+    rng = random.Random(0)
+    specials = tokenizer.all_special_ids
+    windows = [
+        [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))] + specials[:2]
+        for _ in range(200)
+    ]
+    for skip in (True, False):
+        fast = flat_decoder(tokenizer, skip)
+        want = [tokenizer.decode(w, skip_special_tokens=skip) for w in windows]
+        with monkeypatch.context() as m:
+            m.setattr(tokenizer, "decode", lambda *a, **k: pytest.fail("the wrapper was called"))
+            assert [fast(w) for w in windows] == want
+
+
+def test_flat_decoder_keeps_transformers_clean_up_where_it_applies() -> None:
+    tokenizer = _wordpiece_tokenizer_that_cleans_up()
+    ids = tokenizer.convert_tokens_to_ids(["hello", ",", "world", "##s", "."])
+    assert tokenizer.decode(ids) == "hello, worlds."  # the clean-up removed two spaces
+    assert flat_decoder(tokenizer, True)(ids) == "hello, worlds."
+    sentencepiece = _sentencepiece_style_tokenizer()
+    pieces = sentencepiece.convert_tokens_to_ids(["<s>", "▁Hello", "▁world"])
+    assert flat_decoder(sentencepiece, True)(pieces) == sentencepiece.decode(
+        pieces, skip_special_tokens=True
+    )
