@@ -25,8 +25,8 @@
 # stage and exits 1 if any failed. Without CUDA it stops at once.
 #
 # On an H100 (bench/RESULTS.md) the tests took ~200 s, the serve stage ~120 s, and the benchmark
-# more than its 420 s with transformers: all stages do not fit one 10-minute call. Split them
-# over calls with GPU_CHECK_STAGES, or pass --models / --skip-transformers to the benchmark.
+# more than its 420 s with transformers: all stages together take over 10 minutes. Run them
+# separately with GPU_CHECK_STAGES, or pass --models / --skip-transformers to the benchmark.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
