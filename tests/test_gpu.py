@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from config import ConfigError
 from engine import LLM, SamplingParams
 from kernels.attention import Platform, build_backend, choose
+from kernels.attention.registry import NAMES
 from tests.attention_cases import DECODES, SHAPES, check_against_reference
 from tests.models import hf_greedy
 from tests.prompts import shared_prefix_prompts
@@ -79,14 +80,15 @@ def _release() -> None:
 
 
 def _graph_safe_backends(dtype: torch.dtype, head_dim: int) -> list[str]:
-    """The graph-capturable backends that can run here at `dtype`."""
+    """The backends that can run here at `dtype` and say they can be captured in CUDA graphs."""
     names = []
-    for name in ("triton", "flash-attn"):
+    for name in NAMES:
         try:
             choose(name, Platform.detect("cuda", dtype, head_dim))
         except ConfigError:
             continue
-        names.append(name)
+        if build_backend(name).graph_safe:
+            names.append(name)
     return names
 
 
