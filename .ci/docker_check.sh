@@ -111,7 +111,7 @@ docker image prune -f >/dev/null
 # 6. Run it on the default model (read-only, readable by the image's uid), with no network:
 # every request goes through `docker exec` into the container's own loopback.
 MODEL=$("$PY" -c 'from config.engine_config import default_cache_dir
-from engine.default_model import default_model_dir
+from engine.loading.default_model import default_model_dir
 print(default_model_dir(default_cache_dir()))')
 chmod -R a+rX "$MODEL"
 RUN_START=$(date +%s)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_spec import kv_bytes_per_block
+from engine.loading.model_spec import kv_bytes_per_block
 from engine.models.registry import describe
 from tests.models import tokenizer_dir
 

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_vllm's serve
 
 from compare_vllm import ServerFailed, start, stop, wait_healthy
 
-import engine.sampler as sampler_module
 import engine.structured.state as state_module
+import engine.worker.sampler as sampler_module
 from engine import LLM, SamplingParams
 from engine.structured import GrammarCompiler, GrammarState, StructuredOutputsParams
 

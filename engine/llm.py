@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerBase
 from config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.processing.tokenization import encode_chat
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from engine.tokenization import encode_chat
 
 Prompt = str | list[int]
 Message = dict[str, object]

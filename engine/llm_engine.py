@@ -10,25 +10,25 @@ import time
 import torch
 
 from config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
-from engine.model_input import build_step_batch
-from engine.model_loader import load_tokenizer
-from engine.model_spec import resolve_model_spec
-from engine.output_processor import check_stop, make_output, update_text
+from engine.loading.model_spec import resolve_model_spec
+from engine.loading.resolve import load_tokenizer
 from engine.outputs import RequestOutput
-from engine.parallel.executor import LocalExecutor, TensorParallelExecutor
-from engine.request import Request, SequenceText
-from engine.sampler import Sampler, position_logprobs
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.output_processor import check_stop, make_output, update_text
+from engine.processing.request import Request, SequenceText
+from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats, FinishedRequest
 from engine.structured import GrammarCompiler, GrammarState
-from engine.tokenization import encode
+from engine.worker.executor import LocalExecutor, TensorParallelExecutor
+from engine.worker.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
+from engine.worker.model_input import build_step_batch
+from engine.worker.sampler import Sampler, position_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from config import ServerConfig
 from config.engine_config import default_cache_dir
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.tokenization import decode, encode
+from engine.processing.tokenization import decode, encode
 from server.admission import GeneratingRoute, shutting_down
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
 from engine.outputs import CompletionOutput
-from engine.tokenization import decode, encode
+from engine.processing.tokenization import decode, encode
 from server.errors import invalid
 from server.inputs import compile_constraint, engine_params
 from server.logprobs import add_completion_logprobs

@@ -7,8 +7,8 @@ from typing import Any
 
 from config import ServerConfig
 from engine import InvalidRequestError, SamplingParams
+from engine.processing.tokenization import encode_chat
 from engine.structured import StructuredOutputsParams
-from engine.tokenization import encode_chat
 from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, invalid
 from server.protocol import ChatMessage, SamplingFields
 from server.state import ServerState

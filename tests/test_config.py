@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
-from engine import model_loader
 from engine.llm import LLM
+from engine.loading import resolve
 from engine.sampling_params import SamplingParams
 from server import cli
 
@@ -169,7 +169,7 @@ def test_windowed_models_serve_their_whole_context_with_a_window_per_layer() -> 
     its trained context; which layers are windowed comes from the config."""
     from transformers import Gemma2Config, MistralConfig, Qwen2Config
 
-    from engine.model_spec import context_limit
+    from engine.loading.model_spec import context_limit
     from engine.models.registry import describe
 
     mistral = MistralConfig(max_position_embeddings=1024, sliding_window=128, num_hidden_layers=2)
@@ -192,41 +192,37 @@ def test_windowed_models_serve_their_whole_context_with_a_window_per_layer() -> 
 def test_dtype_auto_on_cpu_follows_native_bf16(
     monkeypatch: pytest.MonkeyPatch, native_bf16: bool, want: torch.dtype
 ) -> None:
-    monkeypatch.setattr(model_loader, "cpu_multiplies_bf16", lambda: native_bf16)
-    dtype, why = model_loader.resolve_dtype(
+    monkeypatch.setattr(resolve, "cpu_multiplies_bf16", lambda: native_bf16)
+    dtype, why = resolve.resolve_dtype(
         "auto", SimpleNamespace(dtype="float32"), torch.device("cpu")
     )
     assert dtype == want
     assert "auto" in why and "bfloat16" in why
     # An explicit dtype is kept, whatever the CPU.
-    assert model_loader.resolve_dtype("float32", None, torch.device("cpu"))[0] == torch.float32
+    assert resolve.resolve_dtype("float32", None, torch.device("cpu"))[0] == torch.float32
 
 
 def test_dtype_auto_on_a_gpu_takes_the_checkpoint_dtype_in_half_precision() -> None:
     cuda = torch.device("cuda")
+    assert resolve.resolve_dtype("auto", SimpleNamespace(dtype="float16"), cuda)[0] == torch.float16
     assert (
-        model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float16"), cuda)[0]
-        == torch.float16
-    )
-    assert (
-        model_loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), cuda)[0]
-        == torch.bfloat16
+        resolve.resolve_dtype("auto", SimpleNamespace(dtype="float32"), cuda)[0] == torch.bfloat16
     )
 
 
 def test_cpu_bf16_detection_reads_the_cpu_flags() -> None:
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert model_loader.cpu_multiplies_bf16.__wrapped__() == (
+    assert resolve.cpu_multiplies_bf16.__wrapped__() == (
         "avx512_bf16" in flags or "amx_bf16" in flags
     )
 
 
 def test_device_auto_takes_the_gpu_when_torch_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ModelConfig().device == "auto"
-    assert model_loader.resolve_device("cpu") == "cpu"
+    assert resolve.resolve_device("cpu") == "cpu"
     for available, want in ((True, "cuda"), (False, "cpu")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
-        assert model_loader.resolve_device("auto") == want
+        assert resolve.resolve_device("auto") == want
 
 
 def test_engine_resolves_device_dtype_and_backend_into_its_spec(llm: LLM) -> None:

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.model_input import HostBatch
 from engine.models.layer_stack import stack_cpu_layers
+from engine.worker.model_input import HostBatch
 from tests.models import build_random_model
 from tests.prompts import shared_prefix_prompts
 

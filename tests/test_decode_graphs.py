@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, graph_sizes, pad_decode
-from engine.model_input import HostBatch
+from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, pad_decode
+from engine.worker.model_input import HostBatch
 from tests.prompts import shared_prefix_prompts
 
 
@@ -96,7 +96,7 @@ def test_padded_decode_steps_give_the_same_tokens(
         widths.append((batch.block_tables.shape[1], width))
         return pad_decode(batch, size, width)
 
-    monkeypatch.setattr("engine.cuda_graphs.pad_decode", narrow)
+    monkeypatch.setattr("engine.worker.cuda_graphs.pad_decode", narrow)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):

@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.tokenization import flat_decoder
 from engine.sampling_params import SamplingParams
-from engine.tokenization import flat_decoder
 from tests.models import tokenizer_dir
 
 REPLACEMENT = "\ufffd"

@@ -176,8 +176,8 @@ def test_kv_pool_follows_gpu_memory_utilization(llama_dir: Path) -> None:
 
 
 def _bytes_per_block(folder: Path, block_size: int, dtype: torch.dtype) -> int:
-    from engine.model_loader import load_hf_config
-    from engine.model_spec import kv_bytes_per_block
+    from engine.loading.model_spec import kv_bytes_per_block
+    from engine.loading.resolve import load_hf_config
     from engine.models.registry import describe
 
     return kv_bytes_per_block(describe(load_hf_config(folder)), block_size, dtype)
@@ -245,8 +245,8 @@ def test_sampling_runs_on_the_device_with_one_transfer_per_step() -> None:
     same logits sampled on the CPU (the uniform numbers come from the request's CPU generator)."""
     import warnings
 
-    from engine.sampler import Sampler
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
+    from engine.worker.sampler import Sampler
 
     def seqs() -> list[Sequence]:
         out = []

@@ -25,8 +25,8 @@ import pytest
 
 from config import ModelConfig
 from engine import ModelLoadError
-from engine.hub import is_repo_id
-from engine.model_loader import resolve_model_path
+from engine.loading.hub import is_repo_id
+from engine.loading.resolve import resolve_model_path
 from tests.fake_hub import FakeHub, FakeRepo, read_folder
 from tests.models import build_random_model
 

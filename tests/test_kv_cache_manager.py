@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.sequence import Sequence
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from tests.models import finish_all
 
 ALPHABET = st.integers(0, 2)  # few distinct tokens, so prefixes repeat and the cache hits
@@ -484,7 +484,7 @@ def test_a_prefix_cache_hit_serves_the_kv_that_recomputation_gives(qwen3_dir: Pa
 def test_blocks_behind_every_layers_window_go_back_to_the_pool() -> None:
     """Window 10, blocks of 4: the step whose first query is at position p needs keys from
     p - 9 on, so blocks wholly before that are released (and stay cached by their hash)."""
-    from engine.kv_cache_manager import SLID_PAST
+    from engine.core.kv_cache_manager import SLID_PAST
 
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, sliding_window=10)
     seq = make_sequence("a", list(range(40)))

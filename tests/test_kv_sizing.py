@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from config import ConfigError, EngineConfig
-from engine.kv_sizing import (
+from engine.loading.model_spec import resolve_model_spec
+from engine.worker.executor import LocalExecutor
+from engine.worker.kv_sizing import (
     GIB,
     MemoryReading,
     fixed_pool_blocks,
@@ -18,8 +20,6 @@ from engine.kv_sizing import (
     profile_batch,
     profiled_pool_blocks,
 )
-from engine.model_spec import resolve_model_spec
-from engine.parallel.executor import LocalExecutor
 
 
 class FixedProbe:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.parallel.executor import WorkerDiedError
+from engine.worker.executor import WorkerDiedError
 from tests.server_harness import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.scheduler import SchedulerOutput
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
 from tests.models import hf_greedy
 
 BLOCK = 16

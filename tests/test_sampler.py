@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.sampler import Sampler, apply_logit_bias, apply_penalties
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.worker.sampler import Sampler, apply_logit_bias, apply_penalties
 
 VOCAB = 50
 

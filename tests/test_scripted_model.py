@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.llm import LLM, Message
+from engine.processing.tokenization import encode_chat
 from engine.sampling_params import SamplingParams
-from engine.tokenization import encode_chat
 from tests.models import hf_greedy, tokenizer_dir
 from tests.scripted_model import (
     ScriptConflict,

@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenization import encode_chat
+from engine.processing.tokenization import encode_chat
 from tests.models import tokenizer_dir
 from tests.scripted_model import build_scripted_model, merge_scripts, script_for
 from tests.server_harness import RunningServer, start_engine

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.output_processor import check_stop, make_output, update_text
 from engine.outputs import CompletionOutput
-from engine.request import Request, SequenceText
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.output_processor import check_stop, make_output, update_text
+from engine.processing.request import Request, SequenceText
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
 from tests.models import tokenizer_dir
 
 TEXT = "The quick brown fox jumps over the lazy dog. Then it sleeps."

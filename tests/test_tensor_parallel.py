@@ -14,8 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.model_input import HostBatch
-from engine.parallel.shard import Shard
+from engine.distributed.shard import Shard
+from engine.worker.model_input import HostBatch
 from tests.models import build_random_model
 from tests.prompts import cut_prompts, shared_prefix_prompts
 

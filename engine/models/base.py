@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.distributed.shard import WHOLE, Shard, gather_columns
 from engine.models.interface import ArchitectureInfo
 from engine.models.layers.attention import Attention, AttentionOptions, ForwardContext
 from engine.models.layers.linear import (
@@ -24,8 +25,7 @@ from engine.models.layers.linear import (
 )
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.models.loading import load_checkpoint
-from engine.parallel.shard import WHOLE, Shard, gather_columns
+from engine.models.weights import load_checkpoint
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu.packed_linear import can_pack, linear, pack
 

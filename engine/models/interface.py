@@ -11,8 +11,8 @@ from typing import Protocol
 import torch
 from transformers import PretrainedConfig
 
+from engine.distributed.shard import Shard
 from engine.models.layers.linear import CheckpointTensor
-from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 

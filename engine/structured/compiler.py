@@ -50,7 +50,7 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                from engine.model_loader import load_tokenizer
+                from engine.loading.resolve import load_tokenizer
 
                 started = time.perf_counter()
                 tokenizer = load_tokenizer(self.tokenizer_path)

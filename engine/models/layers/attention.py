@@ -10,10 +10,10 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from engine.distributed.shard import Shard
 from engine.models.layers.linear import ColumnParallelLinear, Part, RowParallelLinear
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import apply_rotary
-from engine.parallel.shard import Shard
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 

@@ -8,7 +8,7 @@ blocks. A column-parallel layer may fuse several checkpoint tensors (q/k/v, gate
 slice is the whole tensor and every collective is the identity.
 
 Every layer that loads more than a whole tensor has `load(param, source, part)`, and a layer
-fused from several checkpoint tensors also `parts(param)`; `engine.models.loading` finds them
+fused from several checkpoint tensors also `parts(param)`; `engine.models.weights` finds them
 by parameter name.
 """
 
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.shard import Shard, all_reduce
 from engine.errors import ModelLoadError
-from engine.parallel.shard import Shard, all_reduce
 from kernels.cpu.packed_linear import linear
 
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
 from engine.models.layers.linear import ColumnParallelLinear, Part, RowParallelLinear
-from engine.parallel.shard import Shard
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

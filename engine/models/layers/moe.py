@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.shard import Shard, all_reduce
 from engine.models.layers.linear import CheckpointTensor, ReplicatedLinear, copy_checked
 from engine.models.layers.mlp import activation
-from engine.parallel.shard import Shard, all_reduce
 
 
 class Experts(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.tokenization import flat_decoder
+from engine.processing.tokenization import flat_decoder
 
 _CONTEXT = 6  # prompt tokens decoded as left context of the first output token
 _REPLACEMENT = "\ufffd"

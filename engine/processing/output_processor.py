@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from engine.core.sequence import Sequence
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, SequenceText
-from engine.sequence import Sequence
+from engine.processing.request import Request, SequenceText
 
 
 def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> None:

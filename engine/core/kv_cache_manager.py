@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.block_pool import BlockHash, BlockPool
-from engine.sequence import Sequence
+from engine.core.block_pool import BlockHash, BlockPool
+from engine.core.sequence import Sequence
 
 SLID_PAST = -1  # a table entry whose block every layer's window has left behind
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.sequence import Sequence
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from engine.structured import apply_grammar_masks
 
 

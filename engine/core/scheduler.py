@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.processing.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

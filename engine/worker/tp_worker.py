@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from config import EngineConfig
-from engine.model_input import HostBatch
-from engine.model_runner import build_runner
-from engine.model_spec import ModelSpec
-from engine.parallel.shard import Shard
+from engine.distributed.shard import Shard
+from engine.loading.model_spec import ModelSpec
+from engine.worker.model_input import HostBatch
+from engine.worker.model_runner import build_runner
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from config import EngineConfig
+from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
-from engine.model_input import HostBatch
-from engine.model_runner import build_runner
-from engine.model_spec import ModelSpec
-from engine.parallel.shard import Shard
-from engine.parallel.worker import ALLOCATE_KV, STEP, STOP, join_group, message, worker_main
+from engine.loading.model_spec import ModelSpec
+from engine.worker.model_input import HostBatch
+from engine.worker.model_runner import build_runner
+from engine.worker.tp_worker import ALLOCATE_KV, STEP, STOP, join_group, message, worker_main
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ import time
 import torch
 
 from config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.model_input import HostBatch, PinnedUpload
-from engine.model_loader import load_model
-from engine.model_spec import ModelSpec
+from engine.distributed.shard import Shard
+from engine.loading.model_loader import load_model
+from engine.loading.model_spec import ModelSpec
 from engine.models.interface import CausalLM
 from engine.models.layer_stack import stack_cpu_layers
-from engine.parallel.shard import Shard
+from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, build_backend
 from kernels.cpu.huge_pages import huge_page_zeros, transparent_huge_pages
 from kernels.cpu.malloc import keep_freed_memory

@@ -21,8 +21,8 @@ import bisect
 
 import torch
 
-from engine.model_input import HostBatch, PinnedUpload
 from engine.models.interface import CausalLM
+from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -13,11 +13,11 @@ import torch
 from transformers import PretrainedConfig
 
 from config import EngineConfig
-from engine.hub import tokenizer_path
-from engine.model_loader import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
+from engine.distributed.shard import Shard, check_shardable
+from engine.loading.hub import tokenizer_path
+from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
 from engine.models.registry import describe, resolve_architecture
-from engine.parallel.shard import Shard, check_shardable
 from kernels.attention import Platform, choose
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from engine.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-# The one weight index the loader reads (engine.model_loader.iter_safetensors).
+# The one weight index the loader reads (engine.loading.model_loader.iter_safetensors).
 WEIGHT_INDEX = "model.safetensors.index.json"
 # Config and tokenizer: small files, fetched first so that a model we cannot serve is refused
 # before gigabytes of weights are downloaded. Exact names match top-level files only.

@@ -1,30 +1,18 @@
-"""Find a Hugging Face model folder, read its config and tokenizer, and load its weights into
-the model class its architecture names."""
+"""Settings resolved before anything loads: the model folder (a local path, a Hub repo id or the
+bundled default), its config and tokenizer, the device and the dtype."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
-from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from config import ModelConfig
-from engine.default_model import default_model_dir
 from engine.errors import ModelLoadError
-from engine.hub import WEIGHT_INDEX, download_model, index_shards, is_repo_id
-from engine.models.interface import CausalLM
-from engine.models.layers.linear import CheckpointTensor
-from engine.models.registry import model_class, resolve_architecture
-from engine.parallel.shard import Shard
-
-if TYPE_CHECKING:
-    from engine.model_spec import ModelSpec
-
-log = logging.getLogger(__name__)
+from engine.loading.default_model import default_model_dir
+from engine.loading.hub import download_model, is_repo_id
+from engine.models.registry import resolve_architecture
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -106,34 +94,3 @@ def resolve_dtype(
     if declared == torch.float32:
         return torch.bfloat16, "auto: the checkpoint's float32 served as bfloat16 on the GPU"
     return declared, "auto: the checkpoint's dtype"
-
-
-def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as a lazy
-    slice: a tensor-parallel rank reads only the part it indexes."""
-    index = path / WEIGHT_INDEX
-    if index.is_file():
-        files = index_shards(index)
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no safetensors weights in {path}")
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has no __iter__
-                yield key, f.get_slice(key)
-
-
-def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
-    """This rank's shard of the model on `device` (a rank's own GPU), weights loaded, in eval
-    mode."""
-    with torch.device("meta"):
-        model = model_class(spec.architecture)(spec.hf_config, shard)
-    module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()
-    model = cast(CausalLM, module)
-    model.load_weights(iter_safetensors(spec.path))
-    where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
-    log.info(
-        "loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, spec.path
-    )
-    return model

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from config import ConfigError, EngineConfig
-from engine.model_input import HostBatch
+from engine.worker.model_input import HostBatch
 
 log = logging.getLogger(__name__)
 

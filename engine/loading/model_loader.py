@@ -1,0 +1,55 @@
+"""Load a model's weights (single-file or sharded safetensors) into the model class its
+architecture names."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+from safetensors import safe_open
+
+from engine.distributed.shard import Shard
+from engine.errors import ModelLoadError
+from engine.loading.hub import WEIGHT_INDEX, index_shards
+from engine.models.interface import CausalLM
+from engine.models.layers.linear import CheckpointTensor
+from engine.models.registry import model_class
+
+if TYPE_CHECKING:
+    from engine.loading.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as a lazy
+    slice: a tensor-parallel rank reads only the part it indexes."""
+    index = path / WEIGHT_INDEX
+    if index.is_file():
+        files = index_shards(index)
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {path}")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has no __iter__
+                yield key, f.get_slice(key)
+
+
+def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
+    """This rank's shard of the model on `device` (a rank's own GPU), weights loaded, in eval
+    mode."""
+    with torch.device("meta"):
+        model = model_class(spec.architecture)(spec.hf_config, shard)
+    module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()
+    model = cast(CausalLM, module)
+    model.load_weights(iter_safetensors(spec.path))
+    where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
+    log.info(
+        "loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, spec.path
+    )
+    return model
