@@ -12,6 +12,7 @@ import torch
 from config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import Sample, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
@@ -19,7 +20,7 @@ from engine.loading.model_spec import resolve_model_spec
 from engine.loading.resolve import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.processing.output_processor import check_stop, make_output, update_text
+from engine.processing.output_processor import make_output, update_text
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
@@ -185,52 +186,42 @@ class LLMEngine:
     # ----------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        now = time.time()
-        self._stats.iteration_tokens.append(sum(s.num_new_tokens for s in out.scheduled))
-        for s in out.scheduled:
-            request = self.requests[s.seq.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+        self._record_scheduled(out)
         batch = build_step_batch(out, self.block_size)
         logits = self.executor.execute(batch.host)
+        self._record_prompt_logprobs(out, batch.logits_rows, logits)
+        samples = self._sample(out, batch.logits_rows, logits)
+        self.scheduler.update_from_output(out, samples, self.max_model_len)
+        return self._make_outputs(out.samplers, samples)
 
-        rows: list[torch.Tensor] = []
-        to_sample: list[Sequence] = []
-        for s, (first, count) in zip(out.scheduled, batch.logits_rows):
-            seq = s.seq
-            if seq.wants_prompt_logprobs:
-                self._record_prompt_logprobs(seq, logits[first : first + count])
-            samples_token = s.samples_token
-            seq.num_computed_tokens += s.num_new_tokens
-            if not samples_token:
-                continue
-            row = logits[first + count - 1]
-            for sampled in [seq, *self.scheduler.fork(seq)]:
-                rows.append(row)
-                to_sample.append(sampled)
-        if not to_sample:
-            return []
+    def _sample(
+        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
+    ) -> list[Sample]:
+        """Each sampler's token from its sequence's last row (siblings share their parent's)."""
+        rows = [
+            logits[first + count - 1]
+            for s, (first, count) in zip(out.scheduled, logits_rows)
+            for _ in s.samplers
+        ]
+        return self.sampler(torch.stack(rows), out.samplers) if rows else []
 
+    def _make_outputs(self, seqs: list[Sequence], samples: list[Sample]) -> list[RequestOutput]:
+        """The new text of every sequence that sampled (a stop string found in it finishes the
+        sequence), then one output for each request they belong to."""
         touched: dict[str, Request] = {}
-        samples = self.sampler(torch.stack(rows), to_sample)
         now = time.time()
-        for seq, sample in zip(to_sample, samples):
+        for seq, sample in zip(seqs, samples):
             self._record_token(seq, now)
-            seq.append_token(sample.token_id)
-            if seq.logprobs is not None and sample.logprobs is not None:
-                seq.logprobs.append(sample.logprobs)
-            check_stop(seq, sample.token_id, self.max_model_len)
-            if seq.grammar is not None and seq.grammar.accept(sample.token_id):
-                seq.finish_reason = seq.finish_reason or "stop"  # the grammar is complete
             request = self.requests[seq.request_id]
+            was_finished = seq.is_finished
             update_text(seq, request.texts[seq.index], sample.token_id)
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None and not was_finished:
                 self.scheduler.finish(seq)
             touched[request.request_id] = request
-
         outputs = []
         for request in touched.values():
             outputs.append(make_output(request))
@@ -282,13 +273,27 @@ class LLMEngine:
         stats.kv_cache_usage = self.kv.usage()
         return stats
 
-    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
-        """Row j of this chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
-        assert seq.prompt_logprobs is not None
-        logprobs = torch.log_softmax(rows, dim=-1)
-        top_n = seq.params.prompt_logprobs or 0
-        for j in range(rows.shape[0]):
-            target = seq.num_computed_tokens + j + 1
-            if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
-                token = seq.prompt_token_ids[target]
-                seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))
+    def _record_scheduled(self, out: SchedulerOutput) -> None:
+        now = time.time()
+        self._stats.iteration_tokens.append(out.num_tokens)
+        for s in out.scheduled:
+            request = self.requests[s.seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+
+    def _record_prompt_logprobs(
+        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
+    ) -> None:
+        """Row j of a chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
+        for s, (first, count) in zip(out.scheduled, logits_rows):
+            seq = s.seq
+            if not seq.wants_prompt_logprobs:
+                continue
+            assert seq.prompt_logprobs is not None
+            logprobs = torch.log_softmax(logits[first : first + count], dim=-1)
+            top_n = seq.params.prompt_logprobs or 0
+            for j in range(count):
+                target = seq.num_computed_tokens + j + 1
+                if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
+                    token = seq.prompt_token_ids[target]
+                    seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))

@@ -75,7 +75,7 @@ class Sim:
         if start % self.bs and num_new > 0 and pool.blocks[old_table[start // self.bs]].ref_cnt > 1:
             shared_partial = old_table[start // self.bs]
 
-        if not self.kv.allocate_slots(req, num_new, hits or None):
+        if self.kv.allocate_slots(req, num_new, hits or None) is None:
             assert self._state() == before, "a failed allocate_slots changed state"
             return False
 
@@ -262,7 +262,8 @@ def test_a_repeated_prompt_hits_every_full_block_but_the_one_with_its_last_token
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
     tokens = list(range(8))
     first = make_sequence("a", tokens)
-    assert kv.allocate_slots(first, 8)
+    table = kv.allocate_slots(first, 8)
+    assert table is not None and table == kv.block_table(first) and len(table) == 2
     first.num_computed_tokens = 8
     # 8 tokens = 2 full blocks, but the second holds the last token: only 1 block is served.
     again = make_sequence("b", tokens)
@@ -279,7 +280,7 @@ def test_a_repeated_prompt_hits_every_full_block_but_the_one_with_its_last_token
 def test_hits_survive_the_owner_finishing_and_are_revived_from_the_free_pool() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
     first = make_sequence("a", list(range(9)))
-    assert kv.allocate_slots(first, 9)
+    assert kv.allocate_slots(first, 9) is not None
     full_blocks = kv.tables["a"][:2]
     kv.free(first)
     assert kv.pool.num_free == 4
@@ -287,7 +288,7 @@ def test_hits_survive_the_owner_finishing_and_are_revived_from_the_free_pool() -
     hits = kv.get_computed_blocks(second)
     assert hits == full_blocks
     second.num_computed_tokens = 0
-    assert kv.allocate_slots(second, 2, hits)
+    assert kv.allocate_slots(second, 2, hits) is not None
     assert kv.tables["b"][:2] == full_blocks
     assert [kv.pool.blocks[b].ref_cnt for b in full_blocks] == [1, 1]
     assert kv.pool.num_free == 1
@@ -298,16 +299,16 @@ def test_revived_blocks_count_against_the_free_pool() -> None:
     """Taking a cached free block uses up a free block: admission must account for it."""
     kv = KVCacheManager(num_blocks=3, block_size=2, enable_caching=True)
     first = make_sequence("a", [1, 2, 3, 4, 5])
-    assert kv.allocate_slots(first, 5)
+    assert kv.allocate_slots(first, 5) is not None
     kv.free(first)
     second = make_sequence("b", [1, 2, 3, 4, 9, 9, 9])
     hits = kv.get_computed_blocks(second)
     assert len(hits) == 2
     # 2 revived + 2 new blocks for the 3 remaining tokens > 3 free blocks.
-    assert not kv.allocate_slots(second, 3, hits)
+    assert kv.allocate_slots(second, 3, hits) is None
     assert kv.pool.num_free == 3
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
-    assert kv.allocate_slots(second, 2, hits)
+    assert kv.allocate_slots(second, 2, hits) is not None
     kv.check_consistency()
 
 
@@ -315,7 +316,7 @@ def test_no_hits_when_caching_is_off_or_prompt_logprobs_are_wanted() -> None:
     for caching, params in ((False, SamplingParams()), (True, SamplingParams(prompt_logprobs=1))):
         kv = KVCacheManager(num_blocks=10, block_size=2, enable_caching=caching)
         first = make_sequence("a", list(range(9)))
-        assert kv.allocate_slots(first, 9)
+        assert kv.allocate_slots(first, 9) is not None
         assert kv.get_computed_blocks(make_sequence("b", list(range(9)), params)) == []
 
 
@@ -327,7 +328,7 @@ def forked_pair(
 ) -> tuple[KVCacheManager, Sequence, Sequence]:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
     parent = make_sequence("p", list(range(prompt_len)))
-    assert kv.allocate_slots(parent, prompt_len)
+    assert kv.allocate_slots(parent, prompt_len) is not None
     parent.num_computed_tokens = prompt_len
     child = make_sequence("p#1", list(range(prompt_len)))
     kv.fork(parent, child)
@@ -342,7 +343,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
     assert [kv.pool.blocks[b].ref_cnt for b in (full, partial)] == [2, 2]
 
     parent.append_token(100)
-    assert kv.allocate_slots(parent, 1)
+    assert kv.allocate_slots(parent, 1) is not None
     (copy,) = kv.take_pending_copies()
     private = kv.tables["p"][1]
     assert copy == (partial, private)
@@ -354,7 +355,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
 
     # The sibling is now the only holder of the old block: it writes in place, no copy.
     child.append_token(200)
-    assert kv.allocate_slots(child, 1)
+    assert kv.allocate_slots(child, 1) is not None
     assert kv.take_pending_copies() == []
     assert kv.tables["p#1"] == [full, partial]
 
@@ -366,7 +367,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
 def test_a_fork_on_a_block_boundary_needs_no_copy() -> None:
     kv, parent, _child = forked_pair(prompt_len=8)
     parent.append_token(100)
-    assert kv.allocate_slots(parent, 1)
+    assert kv.allocate_slots(parent, 1) is not None
     assert kv.take_pending_copies() == []
     assert kv.tables["p"][:2] == kv.tables["p#1"]
     assert len(kv.tables["p"]) == 3
@@ -377,7 +378,7 @@ def test_copy_on_write_without_a_free_block_fails_and_changes_nothing() -> None:
     assert kv.pool.num_free == 0
     parent.append_token(100)
     tables = {rid: list(t) for rid, t in kv.tables.items()}
-    assert not kv.allocate_slots(parent, 1)
+    assert kv.allocate_slots(parent, 1) is None
     assert kv.tables == tables
     assert kv.pending_copies == []
     kv.check_consistency()
@@ -387,9 +388,9 @@ def test_a_forked_child_registers_its_own_full_blocks() -> None:
     """After the copy, each sibling's block fills with its own tokens and is cached under them."""
     kv, parent, child = forked_pair(prompt_len=7)
     parent.append_token(100)
-    assert kv.allocate_slots(parent, 1)
+    assert kv.allocate_slots(parent, 1) is not None
     child.append_token(200)
-    assert kv.allocate_slots(child, 1)
+    assert kv.allocate_slots(child, 1) is not None
     kv.take_pending_copies()
     for req in (parent, child):
         probe = make_sequence("probe-" + req.seq_id, req.all_token_ids + [0])
@@ -401,7 +402,7 @@ def test_free_returns_every_block(caching: bool) -> None:
     kv = KVCacheManager(num_blocks=6, block_size=2, enable_caching=caching)
     reqs = [make_sequence(str(i), [i] * n) for i, n in enumerate((3, 4, 4))]  # 2 + 2 + 2 blocks
     for req in reqs:
-        assert kv.allocate_slots(req, req.num_tokens)
+        assert kv.allocate_slots(req, req.num_tokens) is not None
     assert kv.pool.num_free == 0
     for req in reqs:
         kv.free(req)
@@ -488,13 +489,17 @@ def test_blocks_behind_every_layers_window_go_back_to_the_pool() -> None:
 
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, sliding_window=10)
     seq = make_sequence("a", list(range(40)))
-    assert kv.allocate_slots(seq, 12)  # prefill 0..11: nothing before position 0 - 9
+    assert kv.allocate_slots(seq, 12) is not None  # prefill 0..11: nothing before position 0 - 9
     assert kv.block_table(seq).count(SLID_PAST) == 0
     seq.num_computed_tokens = 12
-    assert kv.allocate_slots(seq, 8)  # rows 12..19 reach back to 3: block 0 (0..3) is needed
+    assert (
+        kv.allocate_slots(seq, 8) is not None
+    )  # rows 12..19 reach back to 3: block 0 (0..3) is needed
     assert kv.block_table(seq).count(SLID_PAST) == 0 and kv.pool.num_free == 11
     seq.num_computed_tokens = 20
-    assert kv.allocate_slots(seq, 4)  # rows 20..23 reach back to 11: blocks 0, 1 (0..7) go
+    assert (
+        kv.allocate_slots(seq, 4) is not None
+    )  # rows 20..23 reach back to 11: blocks 0, 1 (0..7) go
     table = kv.block_table(seq)
     assert table[:2] == [SLID_PAST, SLID_PAST] and SLID_PAST not in table[2:]
     assert kv.pool.num_free == 16 - 4  # 6 blocks of the table, 2 released
@@ -510,7 +515,7 @@ def test_blocks_behind_every_layers_window_go_back_to_the_pool() -> None:
 def test_no_block_is_released_while_a_layer_attends_to_everything() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False, sliding_window=None)
     seq = make_sequence("a", list(range(40)))
-    assert kv.allocate_slots(seq, 32)
+    assert kv.allocate_slots(seq, 32) is not None
     seq.num_computed_tokens = 32
-    assert kv.allocate_slots(seq, 1)
+    assert kv.allocate_slots(seq, 1) is not None
     assert min(kv.block_table(seq)) >= 0 and kv.pool.num_free == 16 - 9

@@ -1,8 +1,8 @@
 """Scheduler over a real KVCacheManager, with no model: the step loop is simulated.
 
-Each simulated step advances `num_computed_tokens` by what was scheduled and appends a fake
-sampled token to every sequence whose ScheduledSequence samples a token (forking n > 1 siblings as the
-engine does). A shadow of the KV slots checks that the tables and block copies the scheduler
+Each simulated step hands the scheduler's `update_from_output` a fake sampled token for every
+sequence that samples (it advances `num_computed_tokens`, forks n > 1 siblings, appends the
+tokens and finishes sequences at max_tokens, as in the engine). A shadow of the KV slots checks that the tables and block copies the scheduler
 hands out would make every sequence read back its own tokens.
 """
 
@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import Sample, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 10_000
 
 
 @dataclass
@@ -84,17 +89,13 @@ class Sim:
                 self.slots[s.block_table[p // bs]][p % bs] = req.all_token_ids[p]
 
         self.sampled = [s.samples_token for s in out.scheduled]
-        for s, samples in zip(out.scheduled, self.sampled):
-            req = s.seq
-            req.num_computed_tokens += s.num_new_tokens
-            if not samples:
-                continue
-            for seq in [req, *sched.fork(req)]:
-                # Siblings sample different tokens, so their blocks must really diverge.
-                seq.append_token((seq.num_tokens * 7 + seq.index) % 5)
-                if seq.num_output_tokens >= self.max_tokens[seq.seq_id]:
-                    sched.finish(seq)
-                    self.finished.append(seq)
+        # Siblings sample different tokens, so their blocks must really diverge.
+        samples = [Sample((seq.num_tokens * 7 + seq.index) % 5, None) for seq in out.samplers]
+        sched.update_from_output(out, samples, MAX_MODEL_LEN)
+        self.finished += [seq for seq in out.samplers if seq.is_finished]
+        assert all(seq.num_output_tokens == self.max_tokens[seq.seq_id] for seq in self.finished), (
+            "finished before max_tokens, or after"
+        )
         assert len(sched.running) <= self.max_num_seqs
         self.check_contents()
         return out
@@ -382,3 +383,92 @@ def test_a_recompute_after_preemption_keeps_the_cache_hit_of_the_first_admission
     assert b.num_cached_tokens == 0
     assert sim.sched.counters.prefix_cache_queries == queries
     sim.run_to_completion()
+
+
+# ----------------------------------------------------------------- the post-step update alone
+
+
+def scheduler_with(prompt: list[int], params: SamplingParams) -> tuple[Scheduler, Sequence]:
+    """A scheduler (blocks of 4, a budget of 8) holding one request of `params.n` samples."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), kv)
+    seqs = [
+        Sequence(
+            "r" if i == 0 else f"r#{i}",
+            "r",
+            i,
+            list(prompt),
+            params,
+            0.0,
+            eos_token_id=0,
+            status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
+        )
+        for i in range(params.n)
+    ]
+    seqs[0].forks = seqs[1:]
+    sched.add(seqs[0])
+    return sched, seqs[0]
+
+
+def test_a_prompt_chunk_advances_the_computed_tokens_and_samples_nothing() -> None:
+    sched, seq = scheduler_with(list(range(1, 11)), SamplingParams(max_tokens=4))
+    out = sched.schedule()
+    assert out.samplers == []
+    sched.update_from_output(out, [], MAX_MODEL_LEN)
+    assert seq.num_computed_tokens == 8 and seq.output_token_ids == []
+    assert sched.running == [seq]
+
+
+def test_the_last_prompt_chunk_forks_the_siblings_and_each_takes_its_own_token() -> None:
+    sched, parent = scheduler_with(list(range(1, 7)), SamplingParams(n=3, max_tokens=4))
+    children = list(parent.forks)
+    out = sched.schedule()
+    assert out.samplers == [parent, *children]
+    assert sched.running == [parent]  # the siblings join only once the prompt is computed
+    sched.update_from_output(out, [Sample(7, None), Sample(8, None), Sample(9, None)], 100)
+    assert sched.running == [parent, *children] and parent.forks == []
+    assert [s.output_token_ids for s in (parent, *children)] == [[7], [8], [9]]
+    for child in children:
+        assert child.status == SequenceStatus.RUNNING and child.num_computed_tokens == 6
+        assert sched.kv.tables[child.seq_id] == sched.kv.tables[parent.seq_id]
+    sched.kv.check_consistency()
+
+
+def test_a_stop_token_finishes_the_sequence_and_returns_its_blocks() -> None:
+    sched, seq = scheduler_with([1, 2, 3], SamplingParams(max_tokens=9, stop_token_ids=[5]))
+    out = sched.schedule()
+    assert sched.kv.pool.num_free == 15
+    sched.update_from_output(out, [Sample(5, None)], MAX_MODEL_LEN)
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", 5)
+    assert seq.is_finished and sched.running == [] and not sched.has_unfinished()
+    assert sched.kv.pool.num_free == 16 and seq.seq_id not in sched.kv.tables
+
+
+def test_eos_max_tokens_and_the_model_length_each_end_a_sequence() -> None:
+    for params, token, max_model_len, reason in [
+        (SamplingParams(max_tokens=9), 0, 100, "stop"),  # eos
+        (SamplingParams(max_tokens=9, ignore_eos=True), 0, 100, None),
+        (SamplingParams(max_tokens=1), 4, 100, "length"),
+        (SamplingParams(max_tokens=9), 4, 4, "length"),  # 3 prompt tokens + 1 fill the model
+    ]:
+        sched, seq = scheduler_with([1, 2, 3], params)
+        out = sched.schedule()
+        sched.update_from_output(out, [Sample(token, None)], max_model_len)
+        assert seq.finish_reason == reason, params
+        assert seq.is_finished == (reason is not None)
+        assert (sched.running == [seq]) == (reason is None)
+
+
+def test_logprobs_are_kept_only_when_asked_for() -> None:
+    logprobs: PositionLogprobs = {4: -0.5}
+    for asked, want in [(None, None), (0, [logprobs])]:
+        sched, seq = scheduler_with([1, 2, 3], SamplingParams(max_tokens=9, logprobs=asked))
+        sched.update_from_output(sched.schedule(), [Sample(4, logprobs)], MAX_MODEL_LEN)
+        assert seq.logprobs == want
+
+
+def test_a_sample_missing_for_a_sampler_is_an_error_not_a_silent_skip() -> None:
+    sched, _ = scheduler_with(list(range(1, 7)), SamplingParams(n=2, max_tokens=4))
+    out = sched.schedule()
+    with pytest.raises(ValueError):
+        sched.update_from_output(out, [Sample(7, None)], MAX_MODEL_LEN)

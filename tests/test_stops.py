@@ -14,11 +14,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.stop_conditions import check_stop
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput
 from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.processing.output_processor import check_stop, make_output, update_text
+from engine.processing.output_processor import make_output, update_text
 from engine.processing.request import Request, SequenceText
 from engine.sampling_params import SamplingParams
 from tests.models import tokenizer_dir

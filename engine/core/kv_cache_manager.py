@@ -76,10 +76,10 @@ class KVCacheManager:
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
-    ) -> bool:
+    ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus the prefix
-        hits in `computed_blocks`, for a sequence being admitted). False, with nothing changed,
-        when the pool is too short."""
+        hits in `computed_blocks`, for a sequence being admitted): the sequence's block table
+        that holds them. None, with nothing changed, when the pool is too short."""
         computed_blocks = computed_blocks or []
         bs = self.block_size
         table = self.tables.setdefault(seq.seq_id, [])
@@ -94,7 +94,7 @@ class KVCacheManager:
         )
         revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
         if num_new_blocks + int(cow) + revived > self.pool.num_free:
-            return False
+            return None
         for block_id in computed_blocks:
             self.pool.take(block_id)
         table.extend(computed_blocks)
@@ -107,7 +107,7 @@ class KVCacheManager:
         table.extend(self.pool.allocate(num_new_blocks))
         self._register_full_blocks(seq, table, end // bs)
         self._release_slid_past(seq.seq_id, table, start)
-        return True
+        return table
 
     def _release_slid_past(self, seq_id: str, table: list[int], first_query: int) -> None:
         """Free the blocks before the window of the row at `first_query` (the earliest any

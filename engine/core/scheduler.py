@@ -10,34 +10,13 @@ head of the queue), and nothing new is admitted in that step.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler_output import Sample, ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    block_table: list[int]
-
-    @property
-    def samples_token(self) -> bool:
-        """Whether this step reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from engine.core.stop_conditions import check_stop
 
 
 @dataclass
@@ -72,34 +51,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
+            while (table := self.kv.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                scheduled[seq.seq_id] = num_new
+                out.scheduled.append(ScheduledSequence(seq, num_new, table))
                 budget -= num_new
                 i += 1
 
         if not out.preempted:
-            self._admit(budget, scheduled)
-
-        by_id = {r.seq_id: r for r in self.running}
-        out.scheduled = [
-            ScheduledSequence(by_id[rid], n, self.kv.block_table(by_id[rid]))
-            for rid, n in scheduled.items()
-        ]
+            self._admit(budget, out)
+        for s in out.scheduled:
+            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
+                s.samplers = [s.seq, *s.seq.forks]
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def _admit(self, budget: int, scheduled: dict[str, int]) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while (
             self.waiting
             and budget > 0
@@ -109,7 +84,8 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
             num_cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, num_new, hits):
+            table = self.kv.allocate_slots(seq, num_new, hits)
+            if table is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if seq.num_preemptions == 0:
@@ -119,7 +95,7 @@ class Scheduler:
             seq.num_computed_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[seq.seq_id] = num_new
+            out.scheduled.append(ScheduledSequence(seq, num_new, table))
             budget -= num_new
 
     def _num_seqs_after_admitting(self, seq: Sequence) -> int:
@@ -136,16 +112,34 @@ class Scheduler:
         self.counters.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def fork(self, parent: Sequence) -> list[Sequence]:
-        """Start the parent's siblings on its freshly computed prompt (called after sampling the
-        parent's first token; each sibling then samples its own)."""
+    def update_from_output(
+        self, out: SchedulerOutput, samples: list[Sample], max_model_len: int
+    ) -> None:
+        """Apply a step's results: every scheduled sequence's new tokens are computed; siblings
+        fork from a prompt that completed; each sampler (in `out.samplers` order, one sample
+        each) takes its token, and a token that ends its sequence finishes it (its blocks go
+        back to the pool). Stop strings, found in the text, end a sequence later, by `finish`."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.seq.forks and s.samples_token:
+                self._fork(s.seq)
+        for seq, sample in zip(out.samplers, samples, strict=True):
+            seq.append_token(sample.token_id)
+            if seq.logprobs is not None and sample.logprobs is not None:
+                seq.logprobs.append(sample.logprobs)
+            check_stop(seq, sample.token_id, max_model_len)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the parent's siblings on its freshly computed prompt; each then samples its
+        own first token from the parent's last row."""
         children, parent.forks = parent.forks, []
         for child in children:
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
-        return children
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks (and any unforked siblings)."""

@@ -1,23 +1,10 @@
-"""After each step: append sampled tokens, detokenize, check stop conditions, build outputs."""
+"""After each step: detokenize the new tokens, look for stop strings, build the outputs."""
 
 from __future__ import annotations
 
 from engine.core.sequence import Sequence
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processing.request import Request, SequenceText
-
-
-def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> None:
-    """Token-level stop conditions, checked after `token_id` was appended."""
-    params = seq.params
-    if token_id in params.stop_token_ids:
-        seq.finish_reason, seq.stop_reason = "stop", token_id
-    elif token_id == seq.eos_token_id and not params.ignore_eos:
-        seq.finish_reason = "stop"
-    elif (
-        params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-    ) or seq.num_tokens >= max_model_len:
-        seq.finish_reason = "length"
 
 
 def update_text(seq: Sequence, text: SequenceText, token_id: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from kernels.attention import AttentionMetadata
 
 

@@ -11,20 +11,13 @@ a whole vocabulary (~600 KB) per sequence per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.core.scheduler_output import Sample
 from engine.core.sequence import Sequence
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured import apply_grammar_masks
-
-
-@dataclass
-class Sample:
-    token_id: int
-    logprobs: PositionLogprobs | None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

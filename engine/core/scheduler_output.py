@@ -1,0 +1,47 @@
+"""What the scheduler hands the step, and what the step hands back: the runners read these
+types without importing the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sequence import Sequence
+from engine.outputs import PositionLogprobs
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    block_table: list[int]
+    # Who samples a token from this sequence's last row: nobody while its prompt is still
+    # being chunked; else the sequence, then the siblings that fork from it at this step.
+    samplers: list[Sequence] = field(default_factory=list)
+
+    @property
+    def samples_token(self) -> bool:
+        return bool(self.samplers)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def samplers(self) -> list[Sequence]:
+        """Every sequence that samples a token this step, in the order of its logits row."""
+        return [seq for s in self.scheduled for seq in s.samplers]
+
+
+@dataclass
+class Sample:
+    """One sampled token, with its logprobs when the request asked for them."""
+
+    token_id: int
+    logprobs: PositionLogprobs | None
