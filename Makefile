@@ -54,12 +54,13 @@ run: install
 generate: install
 	$(BIN)/pagedserve generate --chat "$(PROMPT)"
 
-# The style and type checks: ruff (lint and format over everything) and mypy
-# (settings in pyproject.toml). `make test` runs them first.
+# The style, type and import checks: ruff (lint and format over everything), mypy and the
+# import contracts (settings in pyproject.toml). `make test` runs them first.
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: install-dev lint
 	$(BIN)/python -m pytest -q

@@ -177,7 +177,7 @@ def bench_compile(llm: LLM, repeats: int) -> dict[str, Any]:
         vocab, first, hit = [], [], []
         for _ in range(repeats):
             compiler = GrammarCompiler(
-                grammars.tokenizer_path, grammars.vocab_size, grammars.eos_token_id
+                grammars.load_tokenizer, grammars.vocab_size, grammars.eos_token_id
             )
             t0 = time.perf_counter()
             compiler._xgrammar()  # the vocabulary read, once per engine

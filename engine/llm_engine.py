@@ -4,6 +4,7 @@ thread (the engine thread) drives it."""
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import logging
 import time
 
@@ -51,7 +52,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(spec.tokenizer_path)
         # Thread-safe: the server compiles a request's grammar here before queueing it.
         self.grammars = GrammarCompiler(
-            spec.tokenizer_path, spec.vocab_size, self.tokenizer.eos_token_id
+            partial(load_tokenizer, spec.tokenizer_path),
+            spec.vocab_size,
+            self.tokenizer.eos_token_id,
         )
         multi_rank = spec.tensor_parallel_size > 1
         executor = TensorParallelExecutor if multi_rank else LocalExecutor

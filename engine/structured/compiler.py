@@ -11,11 +11,14 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,13 @@ def choice_grammar(choice: tuple[str, ...]) -> str:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer_path: Path, vocab_size: int, eos_token_id: int | None) -> None:
-        self.tokenizer_path = tokenizer_path
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], PreTrainedTokenizerBase],
+        vocab_size: int,
+        eos_token_id: int | None,
+    ) -> None:
+        self.load_tokenizer = load_tokenizer  # a tokenizer of its own, loaded on first use
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
         self.eos_token_id = eos_token_id
         self.cache_size = 256
@@ -50,10 +58,8 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                from engine.loading.resolve import load_tokenizer
-
                 started = time.perf_counter()
-                tokenizer = load_tokenizer(self.tokenizer_path)
+                tokenizer = self.load_tokenizer()
                 stop = [self.eos_token_id] if self.eos_token_id is not None else None
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
