@@ -12,7 +12,7 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
 # dashboards, alerts and autoscaler rules written for a vLLM server work against this one.
 MetricsNames = Literal["pagedserve", "vllm"]
-# vLLM's names for the formats models write tool calls and reasoning in (server/parsers/).
+# vLLM's names for the formats models write tool calls and reasoning in (server/openai/parsers/).
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 

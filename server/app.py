@@ -18,28 +18,21 @@ from config import ServerConfig
 from config.engine_config import default_cache_dir
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.processing.tokenization import decode, encode
-from server.admission import GeneratingRoute, shutting_down
-from server.auth import APIKeyMiddleware
-from server.body_limit import BodyLimitMiddleware
-from server.chat import create_chat_completion
-from server.completions import create_completion
 from server.errors import APIError, engine_dead, install_error_handlers
-from server.inputs import chat_messages, render_chat
-from server.metric_names import MetricNames
-from server.metrics import EngineMetrics
-from server.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
-from server.responses import create_response, input_items_page, not_found, retrieve
-from server.responses_protocol import ResponsesRequest
-from server.responses_store import open_response_store
+from server.http.admission import GeneratingRoute, shutting_down
+from server.http.auth import APIKeyMiddleware
+from server.http.body_limit import BodyLimitMiddleware
+from server.metrics.collector import EngineMetrics
+from server.metrics.names import MetricNames
+from server.openai.chat.protocol import ChatCompletion, ChatCompletionRequest
+from server.openai.chat.serving import create_chat_completion
+from server.openai.completions.protocol import Completion, CompletionRequest
+from server.openai.completions.serving import create_completion
+from server.openai.inputs import chat_messages, render_chat
+from server.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from server.openai.responses.protocol import ResponsesRequest
+from server.openai.responses.serving import create_response, input_items_page, not_found, retrieve
+from server.openai.responses.store import open_response_store
 from server.state import ServerState, served_model_names
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import InvalidRequestError
 from engine.async_engine import EngineDeadError
-from server.responses_store import ResponseStoreError
 
 log = logging.getLogger(__name__)
+
+
+class ResponseStoreError(RuntimeError):
+    """The response store cannot be opened, read or written (unwritable path, disk full, locked,
+    corrupt, its server unreachable).
+
+    A server-side condition, not the client's fault: the routes answer it with 503. It is declared
+    here, with the other errors the handlers map, so that the handlers need not import the store."""
 
 
 class APIError(Exception):

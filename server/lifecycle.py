@@ -25,7 +25,7 @@ from types import FrameType
 import uvicorn
 
 from engine.async_engine import AsyncEngine
-from server.admission import Gate
+from server.http.admission import Gate
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 from config import ServerConfig
 from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
-from server.admission import Gate
 from server.errors import APIError, model_not_found
+from server.http.admission import Gate
 
 T = TypeVar("T")
 

@@ -11,8 +11,8 @@ from typing import Any, Protocol, cast
 
 from redis import Redis
 
-from server.responses_store import ResponseStore, SQLiteResponseStore, StoredResponse
-from server.responses_store_redis import (
+from server.openai.responses.store import ResponseStore, SQLiteResponseStore, StoredResponse
+from server.openai.responses.store.redis import (
     BYTES_KEY,
     INDEX_KEY,
     ITEM_PREFIX,

@@ -25,7 +25,7 @@ from config import EngineConfig, ServerConfig
 from engine.async_engine import AsyncEngine
 from server.app import create_app
 from server.lifecycle import DrainingServer
-from server.metrics import EngineMetrics
+from server.metrics.collector import EngineMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Tool-call and reasoning parsers (server/parsers): whole outputs against expected splits, and
+"""Tool-call and reasoning parsers (server/openai/parsers): whole outputs against expected splits, and
 streaming against whole outputs at every split point and in random chunkings.
 
 The Hermes/Qwen texts are rendered by the real Qwen3 chat template (the format the model was
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from server.parsers import (
+from server.openai.parsers import (
     REASONING_PARSER_NAMES,
     TOOL_CALL_PARSER_NAMES,
     ContentDelta,
@@ -34,8 +34,8 @@ from server.parsers import (
     reasoning_parser_for,
     tool_call_parser_for,
 )
-from server.parsers.holdback import partial_marker_len
-from server.parsers.json_calls import JsonEndScanner
+from server.openai.parsers.holdback import partial_marker_len
+from server.openai.parsers.json_calls import JsonEndScanner
 from tests.models import tokenizer_dir
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")

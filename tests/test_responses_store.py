@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from config import ServerConfig
-from server.responses_store import (
-    SCHEMA_VERSION,
+from server.openai.responses.store import (
     NoResponseStore,
     ResponseStore,
     ResponseStoreError,
     SQLiteResponseStore,
     open_response_store,
 )
+from server.openai.responses.store.sqlite import SCHEMA_VERSION
 from tests.responses_backends import (
     BIG,
     DAY,
@@ -261,7 +261,7 @@ def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path: Path) -> None:
 
 
 def test_a_locked_file_is_a_store_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("server.responses_store._BUSY_TIMEOUT_S", 0.01)
+    monkeypatch.setattr("server.openai.responses.store.sqlite._BUSY_TIMEOUT_S", 0.01)
     path = tmp_path / "r.sqlite3"
     store = SQLiteResponseStore(path, DAY, BIG)
     other = sqlite3.connect(path, isolation_level=None)

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 from redis import Redis
 
-from server.responses_store import ResponseStoreError, open_response_store
-from server.responses_store_redis import INDEX_KEY, ITEM_PREFIX, RedisResponseStore, redacted
+from server.openai.responses.store import ResponseStoreError, open_response_store
+from server.openai.responses.store.redis import INDEX_KEY, ITEM_PREFIX, RedisResponseStore, redacted
 from tests.redis_server import running_redis
 from tests.responses_backends import BIG, DAY, RedisBackend, json_size, make
 from tests.server_harness import ROOT, free_port
@@ -66,7 +66,9 @@ def test_get_checks_the_age_by_this_server_clock_too(
     store = RedisResponseStore(redis_url, 60.0, BIG)
     store.put(make("resp_1"))
     ahead = time.time() + 120
-    monkeypatch.setattr("server.responses_store_redis.time", SimpleNamespace(time=lambda: ahead))
+    monkeypatch.setattr(
+        "server.openai.responses.store.redis.time", SimpleNamespace(time=lambda: ahead)
+    )
     assert store.get("resp_1") is None
     assert backend.client.exists(ITEM_PREFIX + "resp_1") == 1
     assert store.delete("resp_1") is False  # agrees with get, and deletes it all the same
@@ -187,7 +189,7 @@ def test_a_wrong_password_is_a_store_error_that_hides_it(tmp_path: Path) -> None
 
 def test_a_server_that_never_answers_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     # Shortened here; the defaults are a few seconds, and this shows they are the ones used.
-    monkeypatch.setattr("server.responses_store_redis._READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("server.openai.responses.store.redis._READ_TIMEOUT_S", 0.3)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()  # connections complete in the backlog; nothing ever answers
@@ -219,8 +221,8 @@ def test_redis_and_unix_specs_open_a_shared_redis_store(redis_url: str, tmp_path
 def test_a_rediss_spec_speaks_tls(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The test server speaks plain TCP, so the TLS handshake cannot complete: the spec reached
     # a Redis store that tried TLS, and failed as a store error.
-    monkeypatch.setattr("server.responses_store_redis._CONNECT_TIMEOUT_S", 0.3)
-    monkeypatch.setattr("server.responses_store_redis._READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("server.openai.responses.store.redis._CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("server.openai.responses.store.redis._READ_TIMEOUT_S", 0.3)
     tls_url = redis_url.replace("redis://", "rediss://")
     fails_fast(
         lambda: open_response_store(tls_url, Path("/unused"), DAY, BIG),
@@ -234,7 +236,7 @@ def test_an_unreadable_redis_url_is_refused_as_a_setting() -> None:
 
 
 def test_the_redis_package_is_imported_only_for_a_redis_store() -> None:
-    check = "import sys, server.responses_store; assert 'redis' not in sys.modules"
+    check = "import sys, server.openai.responses.store; assert 'redis' not in sys.modules"
     done = subprocess.run(
         [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request
 
 from config import ServerConfig
 from engine.async_engine import AsyncEngine
-from server.admission import GeneratingRoute
 from server.app import create_app
+from server.http.admission import GeneratingRoute
 
 
 def test_a_declared_route_is_gated_and_a_plain_one_is_not(default_engine: AsyncEngine) -> None:

@@ -1,0 +1,1 @@
+"""The Prometheus metrics served at /metrics (`collector`) and what they are called (`names`)."""

@@ -1,0 +1,215 @@
+"""Prometheus metrics that measure what vLLM's do, with vLLM's types, units and buckets, named
+by `server.metrics.names`: ours (`pagedserve:*`, label `model_name`) or, on request, vLLM's exact
+names and labels. They are fed from the engine thread with `EngineStats` after every iteration,
+including idle ones, so gauges never go stale: once the last request ends or is aborted,
+running, waiting and KV usage read 0."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.stats import EngineStats
+from server.metrics.names import MetricNames
+
+# Bucket boundaries as vLLM publishes them.
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
+
+
+def one_two_five_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: token-count buckets that fit the context."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > limit:
+                return buckets
+            buckets.append(value)
+        scale *= 10
+
+
+class EngineMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        names: MetricNames | None = None,
+    ) -> None:
+        self.registry = registry
+        names = names or MetricNames()
+        fixed = names.labels
+        labels = ["model_name", *fixed]
+        m = (model_name, *fixed.values())  # the values of `labels`, for every series
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(names.name(name), doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(names.name(name), doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(names.name(name), doc, labels, buckets=buckets, registry=registry)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.").labels(*m)
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(*m)
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV cache usage: 1 means every block is in use."
+        ).labels(*m)
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(*m)
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(*m)
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(*m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(*m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*m)
+        success = counter("request_success", "Requests finished, by reason.", ("finished_reason",))
+        self.success = {reason: success.labels(*m, reason) for reason in FINISH_REASONS}
+        rejected = counter("request_rejected", "Requests refused with 503, by reason.", ("reason",))
+        self.rejected = {reason: rejected.labels(*m, reason) for reason in REJECT_REASONS}
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        ).labels(*m)
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between successive tokens of a sample.",
+            ITL_BUCKETS,
+        ).labels(*m)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS
+        ).labels(*m)
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
+        ).labels(*m)
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to first token.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*m)
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
+        ).labels(*m)
+        token_buckets = one_two_five_buckets(max_model_len)
+        self.request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        ).labels(*m)
+        self.request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets
+        ).labels(*m)
+        self.iteration = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
+        ).labels(*m)
+        info = Gauge(
+            names.name("cache_config_info"),
+            "KV cache configuration.",
+            ["block_size", "num_gpu_blocks", *fixed],
+            registry=registry,
+        )
+        info.labels(str(block_size), str(num_blocks), *fixed.values()).set(1)
+
+    def reject(self, reason: str) -> None:
+        """Called on the event loop when the admission gate refuses or drops a request."""
+        self.rejected[reason].inc()
+
+    def record(self, stats: EngineStats) -> None:
+        """Called on the engine thread; prometheus-client's metrics are thread-safe."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.generation_tokens)
+        for value in stats.time_to_first_token:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latency:
+            self.itl.observe(value)
+        for tokens in stats.iteration_tokens:
+            self.iteration.observe(tokens)
+        for done in stats.finished:
+            self.success[done.finish_reason].inc()
+            self.e2e.observe(done.e2e_latency)
+            self.request_prompt.observe(done.num_prompt_tokens)
+            self.request_generation.observe(done.num_generation_tokens)
+            for histogram, seconds in (
+                (self.queue, done.queue_time),
+                (self.prefill, done.prefill_time),
+                (self.decode, done.decode_time),
+            ):
+                if seconds is not None:
+                    histogram.observe(seconds)

@@ -1,0 +1,1 @@
+"""`POST /v1/completions`: request and response models (`protocol`) and serving (`serving`)."""

@@ -1,0 +1,196 @@
+"""A Responses request as the chat request it runs as: input items become chat messages
+(function calls and their outputs become assistant tool_calls and tool messages), function
+tools and text.format their chat equivalents; anything the server cannot honour is a 400."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.errors import invalid
+from server.openai.chat.protocol import ChatCompletionRequest
+from server.openai.responses.protocol import FunctionTool, ResponsesRequest
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise invalid(
+                f"content part of type {kind!r} is not supported: only text", f"{where}.{j}.type"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _field(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise invalid(f"{item.get('type')} items need a string {name}", f"{where}.{name}")
+    return value
+
+
+def input_messages(
+    items: str | list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(chat messages, the input items as stored: each with an id)."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    stored = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role", ""))
+            if role is None:
+                raise invalid(f"unknown role {item.get('role')!r}", f"{where}.role")
+            content = item.get("content")
+            messages.append({"role": role, "content": _text(content, f"{where}.content")})
+            if isinstance(content, str):  # listed back as OpenAI lists it: as parts
+                kind = "output_text" if role == "assistant" else "input_text"
+                content = [{"type": kind, "text": content}]
+            stored.append(
+                {
+                    "id": item.get("id") or item_id("msg"),
+                    "type": "message",
+                    "role": item["role"],
+                    "content": content,
+                    "status": "completed",
+                }
+            )
+        elif kind == "function_call":
+            call = {
+                "id": _field(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _field(item, "name", where),
+                    "arguments": _field(item, "arguments", where),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            stored.append({"id": item.get("id") or item_id("fc"), **item})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("output"), str | list):
+                raise invalid("function_call_output items need an output", f"{where}.output")
+            output = _text(item["output"], f"{where}.output")
+            messages.append(
+                {"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": output}
+            )
+            stored.append({"id": item.get("id") or item_id("fco"), **item})
+        elif kind == "reasoning":
+            stored.append({"id": item.get("id") or item_id("rs"), **item})  # the model's own, past
+        else:
+            raise invalid(f"input items of type {kind!r} are not supported", f"{where}.type")
+    return messages, stored
+
+
+def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if not req.tools:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise invalid(
+                f"built-in tools ({kind!r}) are not supported: only function tools",
+                f"tools.{i}.type",
+            )
+        try:
+            fn = FunctionTool.model_validate(tool)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise invalid(f"{first['msg']}", f"tools.{i}.{where}") from None
+        definition = fn.model_dump(exclude={"type"}, exclude_none=True)
+        tools.append({"type": "function", "function": definition})
+    return tools
+
+
+# `include` values that can be honoured: reasoning items are returned as plain text, so there is
+# nothing to encrypt, and a client that asks for encrypted reasoning to send back gets that text.
+INCLUDABLE = {"reasoning.encrypted_content"}
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise invalid("background responses are not supported", "background")
+    if req.conversation is not None:
+        raise invalid(
+            "conversation objects are not supported: continue with previous_response_id",
+            "conversation",
+        )
+    if req.prompt is not None:
+        raise invalid("stored prompt templates are not supported", "prompt")
+    if req.top_logprobs:
+        raise invalid("logprobs are not supported on /v1/responses", "top_logprobs")
+    for i, value in enumerate(req.include or []):
+        if value not in INCLUDABLE:
+            raise invalid(f"include value {value!r} is not supported", f"include.{i}")
+
+
+def chat_request(
+    req: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request this response runs as: instructions first (not carried into a
+    continuation, as OpenAI does), then the conversation (the stored one, then this input)."""
+    _refuse_unsupported(req)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": system + conversation,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _tools(req),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "user": req.user,
+        "stream": req.stream,
+    }
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = (
+            choice
+            if isinstance(choice, str)
+            else {"type": "function", "function": {"name": choice.name}}
+        )
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise invalid("text.format of type json_schema needs a schema", "text.format.schema")
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.name or "output",
+                "schema": fmt.schema_,
+                "strict": fmt.strict,
+            },
+        }
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise invalid(f"{where}: {first['msg']}", "input") from None

@@ -1,0 +1,176 @@
+"""A response's output items built from one choice's deltas (server/openai/chat/output.py), and the
+streaming events that tell each step of the building, as OpenAI sends them: an item is added,
+its text or arguments grow by deltas, then it is done."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from server.openai.chat.protocol import Delta
+from server.openai.responses.inputs import item_id
+
+Event = dict[str, Any]
+
+
+class OutputBuilder:
+    """`feed` the deltas of the one choice; each call returns the events it caused (without
+    sequence numbers: the stream numbers them). `output` holds the items so far."""
+
+    def __init__(self) -> None:
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item still growing
+
+    def feed(self, deltas: list[Delta]) -> list[Event]:
+        events: list[Event] = []
+        for delta in deltas:
+            if delta.reasoning_content:
+                events += self._grow("reasoning", delta.reasoning_content)
+            if delta.content:
+                events += self._grow("message", delta.content)
+            for call in delta.tool_calls or []:
+                if call.id is not None:
+                    events += self._close()
+                    events += self._add(
+                        {
+                            "type": "function_call",
+                            "id": item_id("fc"),
+                            "call_id": call.id,
+                            "name": call.function.name,
+                            "arguments": "",
+                            "status": "in_progress",
+                        }
+                    )
+                events += self._grow("function_call", call.function.arguments)
+        return events
+
+    def close(self) -> list[Event]:
+        return self._close()
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            part["text"]
+            for item in self.output
+            if item["type"] == "message"
+            for part in item["content"]
+        )
+
+    # ------------------------------------------------------------------ items
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.output) - 1}
+
+    def _add(self, item: dict[str, Any]) -> list[Event]:
+        self.output.append(item)
+        self._open = item
+        events = [
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.output) - 1,
+                "item": copy.deepcopy(item),
+            }
+        ]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            events.append(
+                {
+                    "type": "response.content_part.added",
+                    **self._where(),
+                    "content_index": 0,
+                    "part": copy.deepcopy(part),
+                }
+            )
+        return events
+
+    def _grow(self, kind: str, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close()
+            if kind == "message":
+                events += self._add(
+                    {
+                        "type": "message",
+                        "id": item_id("msg"),
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    }
+                )
+            else:  # reasoning; function_call items are added by their start
+                events += self._add(
+                    {
+                        "type": "reasoning",
+                        "id": item_id("rs"),
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}],
+                    }
+                )
+        item = self._open
+        assert item is not None
+        if kind in ("message", "reasoning"):  # both grow their one text part
+            item["content"][0]["text"] += text
+            name = "output_text" if kind == "message" else "reasoning_text"
+            event = {"type": f"response.{name}.delta", **self._where(), "content_index": 0}
+            event["delta"] = text
+            if kind == "message":
+                event["logprobs"] = []
+            events.append(event)
+        else:
+            item["arguments"] += text
+            events.append(
+                {"type": "response.function_call_arguments.delta", **self._where(), "delta": text}
+            )
+        return events
+
+    def _close(self) -> list[Event]:
+        item = self._open
+        if item is None:
+            return []
+        where = self._where()
+        events: list[Event] = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(
+                {
+                    "type": "response.output_text.done",
+                    **where,
+                    "content_index": 0,
+                    "text": part["text"],
+                    "logprobs": [],
+                }
+            )
+            events.append(
+                {
+                    "type": "response.content_part.done",
+                    **where,
+                    "content_index": 0,
+                    "part": copy.deepcopy(part),
+                }
+            )
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(
+                {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}
+            )
+        else:
+            events.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    **where,
+                    "arguments": item["arguments"],
+                }
+            )
+        if "status" in item:
+            item["status"] = "completed"
+        events.append(
+            {
+                "type": "response.output_item.done",
+                "output_index": where["output_index"],
+                "item": copy.deepcopy(item),
+            }
+        )
+        self._open = None
+        return events

@@ -1,0 +1,271 @@
+"""POST /v1/responses and the stored responses' routes: a Responses request runs as the chat
+request it maps to (`inputs.py`), its one choice is shaped into output items
+(reasoning, message, function calls), and the response is kept in the store for
+`previous_response_id`, retrieval and deletion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import RequestOutput
+from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, as_api_error, invalid
+from server.http.streaming import last_output, until_disconnected
+from server.openai.chat.output import ended_by_itself
+from server.openai.chat.serving import PreparedChat, prepare_chat
+from server.openai.parsers import reasoning_parser_for
+from server.openai.responses.inputs import chat_request, input_messages, item_id
+from server.openai.responses.output import Event, OutputBuilder
+from server.openai.responses.protocol import ResponsesRequest
+from server.openai.responses.store import NoResponseStore, ResponseStore, StoredResponse
+from server.state import ServerState
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response with id '{response_id}' is stored", code="not_found")
+
+
+async def create_response(
+    state: ServerState, store: ResponseStore, req: ResponsesRequest, request: Request
+) -> JSONResponse | StreamingResponse:
+    model = state.resolve_model(req.model)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        if isinstance(store, NoResponseStore):
+            raise invalid(
+                "previous_response_id needs a response store (this server runs with "
+                "--responses-store none)",
+                "previous_response_id",
+            )
+        previous = await asyncio.to_thread(store.get, req.previous_response_id)
+        if previous is None:
+            raise invalid(
+                f"Previous response with id '{req.previous_response_id}' not found.",
+                "previous_response_id",
+            )
+        history = previous.messages
+    messages, stored_items = input_messages(req.input)
+    conversation = history + messages
+    prepared = await _prepare(state, req, conversation)
+    response = _skeleton(req, model)
+    outputs = state.generate(
+        request, prepared.prompt_ids, prepared.params, response["id"], prepared.prompt_ids
+    )
+    run = _Run(state, store, req, prepared, response, conversation, stored_items)
+    if req.stream:
+        return StreamingResponse(run.events(outputs), media_type="text/event-stream")
+
+    final = await until_disconnected(request, last_output(outputs))
+    builder = OutputBuilder()
+    shaper = prepared.shaper()
+    c = final.outputs[0]
+    builder.feed(shaper.feed(c.text) + shaper.finish(ended_by_itself(c)))
+    builder.close()
+    await run.finish(final, builder)
+    return JSONResponse(response)
+
+
+# Chat parameters as the Responses fields they came from, for the errors a client reads.
+_RESPONSES_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+async def _prepare(
+    state: ServerState, req: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> PreparedChat:
+    """The chat request prepared; with `truncation: auto`, the oldest turns of a conversation
+    too long for the context are dropped (a tool output with the call it answers) until it
+    fits or one message is left."""
+    while True:
+        try:
+            return await prepare_chat(state, chat_request(req, conversation))
+        except APIError as exc:
+            fits = exc.code != CONTEXT_LENGTH_EXCEEDED  # (prompt and output budget together)
+            if req.truncation != "auto" or fits or len(conversation) == 1:
+                head = (exc.param or "").split(".")[0]
+                if head in _RESPONSES_PARAMS:
+                    exc.param = _RESPONSES_PARAMS[head]
+                raise
+            conversation = conversation[1:]
+            while len(conversation) > 1 and conversation[0]["role"] == "tool":
+                conversation = conversation[1:]
+
+
+def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The response object before any output: the request's settings, echoed as OpenAI does."""
+    return {
+        "id": item_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning.model_dump()
+        if req.reasoning
+        else {"effort": None, "summary": None},
+        "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": req.text_format()},
+        "tool_choice": "auto"
+        if req.tool_choice is None
+        else (
+            req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+        ),
+        "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": req.truncation,
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+class _Run:
+    """One response being produced: its events (streaming), then its final state and storage."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        store: ResponseStore,
+        req: ResponsesRequest,
+        prepared: PreparedChat,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        stored_items: list[dict[str, Any]],
+    ) -> None:
+        self.state, self.store, self.req, self.prepared = state, store, req, prepared
+        self.response = response
+        self.conversation = conversation
+        self.stored_items = stored_items
+        self.sequence = 0
+
+    def _sse(self, event: Event) -> str:
+        event = {**event, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[str, None]:
+        yield self._sse({"type": "response.created", "response": dict(self.response)})
+        yield self._sse({"type": "response.in_progress", "response": dict(self.response)})
+        builder = OutputBuilder()
+        shaper = self.prepared.shaper()
+        try:
+            async with aclosing(outputs):  # type: ignore[type-var]
+                final = None
+                async for output in outputs:
+                    final = output
+                    c = output.outputs[0]
+                    deltas = shaper.feed(c.text_delta)
+                    if c.finish_reason is not None:
+                        deltas += shaper.finish(ended_by_itself(c))
+                    for event in builder.feed(deltas):
+                        yield self._sse(event)
+            for event in builder.close():
+                yield self._sse(event)
+            assert final is not None
+            await self.finish(final, builder)
+        except Exception as exc:  # noqa: BLE001 - the client gets an error event, then a failed response
+            error = as_api_error(exc)
+            yield self._sse(
+                {
+                    "type": "error",
+                    "code": error.code,
+                    "message": error.message,
+                    "param": error.param,
+                }
+            )
+            self.response.update(
+                status="failed",
+                error={"code": error.code or "server_error", "message": error.message},
+                output=builder.output,  # what was streamed before the failure
+            )
+            yield self._sse({"type": "response.failed", "response": self.response})
+            return
+        kind = "completed" if self.response["status"] == "completed" else "incomplete"
+        yield self._sse({"type": f"response.{kind}", "response": self.response})
+
+    async def finish(self, final: RequestOutput, builder: OutputBuilder) -> None:
+        """Status, output and usage of the finished response; then it is stored."""
+        c = final.outputs[0]
+        response = self.response
+        response["output"] = builder.output
+        if c.finish_reason == "length":
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            response["status"] = "completed"
+        response["usage"] = self._usage(final)
+        if not self.req.store or isinstance(self.store, NoResponseStore):
+            return
+        calls = [
+            {
+                "id": i["call_id"],
+                "type": "function",
+                "function": {"name": i["name"], "arguments": i["arguments"]},
+            }
+            for i in builder.output
+            if i["type"] == "function_call"
+        ]
+        reply: dict[str, Any] = {"role": "assistant", "content": builder.text or None}
+        if calls:
+            reply["tool_calls"] = calls
+        stored = StoredResponse(
+            id=response["id"],
+            created_at=time.time(),
+            response=response,
+            input_items=self.stored_items,
+            messages=self.conversation + [reply],
+        )
+        await asyncio.to_thread(self.store.put, stored)
+
+    def _usage(self, final: RequestOutput) -> dict[str, Any]:
+        tokens = final.outputs[0].token_ids
+        reasoning = 0
+        name = self.prepared.reasoning_parser
+        if name is not None:  # the tokens up to and with the end of the reasoning
+            end = self.state.tokenizer.convert_tokens_to_ids(reasoning_parser_for(name).end)
+            if end in tokens:
+                reasoning = tokens.index(end) + 1
+        prompt = len(final.prompt_token_ids)
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": len(tokens),
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + len(tokens),
+        }
+
+
+async def retrieve(store: ResponseStore, response_id: str) -> StoredResponse:
+    stored = await asyncio.to_thread(store.get, response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return stored
+
+
+def input_items_page(stored: StoredResponse) -> dict[str, Any]:
+    items = stored.input_items
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
