@@ -76,8 +76,8 @@ def run(
     )
     engine = llm.engine
     if mode == "python":
-        engine.executor.runner.model.layer_stack = None
-    stacked = engine.executor.runner.model.layer_stack is not None
+        engine.executor.runner.model.layers_runner = None
+    stacked = engine.executor.runner.model.layers_runner is not None
     llm.generate(
         [[1000] * 64] * 2, SamplingParams(max_tokens=2)
     )  # warm-up: first calls pay one-off costs

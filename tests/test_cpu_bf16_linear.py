@@ -95,7 +95,7 @@ def test_onednn_layout_where_it_is_preferred(
     model = llm.engine.executor.runner.model
     # the head: among the linears above, or the embedding's copy where tied
     assert (model.lm_head_packed is not None) == model.tie_word_embeddings
-    assert model.layer_stack is not None
+    assert model.layers_runner is not None
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3
 
@@ -125,9 +125,9 @@ def test_engine_runs_on_it_with_eager_tokens_and_logprobs(llama_dir: Path) -> No
             assert all(_own_layout(m.packed) for m in layers if m.packed is not None)
             # the head: among the linears above, or the embedding's copy where tied
             assert (model.lm_head_packed is not None) == model.tie_word_embeddings
-            assert model.layer_stack is not None
+            assert model.layers_runner is not None
         if mode == "python":
-            model.layer_stack = None
+            model.layers_runner = None
         results[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for mode in ("stack", "python"):
         assert [o.token_ids for o in results[mode]] == [o.token_ids for o in results["eager"]]

@@ -1,4 +1,4 @@
-"""The C++ loop over a Llama-shaped model's layers (engine/models/layer_stack.py) against the
+"""The C++ loop over a Llama-shaped model's layers (engine/worker/cpu/layer_stack.py) against the
 Python layers it replaces, which run the same fused ops and attention backend: the same logits,
 logprobs and KV cache, bit for bit, in float32 and bfloat16."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.models.layer_stack import stack_cpu_layers
+from engine.worker.cpu.layer_stack import stack_cpu_layers
 from engine.worker.model_input import HostBatch
 from tests.models import build_random_model
 from tests.prompts import shared_prefix_prompts
@@ -34,8 +34,8 @@ def phi3_dir(tmp_path_factory) -> Path:
 def engines(model_dir: Path, dtype: str) -> tuple[LLM, LLM]:
     """Two engines on one model: the first runs the C++ loop, the second its Python layers."""
     stacked, python = (LLM(str(model_dir), dtype=dtype, **SETTINGS) for _ in range(2))
-    assert stacked.engine.executor.runner.model.layer_stack is not None
-    python.engine.executor.runner.model.layer_stack = None
+    assert stacked.engine.executor.runner.model.layers_runner is not None
+    python.engine.executor.runner.model.layers_runner = None
     return stacked, python
 
 
@@ -85,7 +85,7 @@ def test_models_it_does_not_cover_keep_their_layers(tmp_path: Path) -> None:
     gemma = build_random_model(tmp_path / "gemma2", "gemma2", "llama")
     llm = LLM(str(gemma), dtype="float32", **SETTINGS)
     model = llm.engine.executor.runner.model
-    assert model.layer_stack is None
+    assert model.layers_runner is None
     assert stack_cpu_layers(model) == "SandwichLayer layers"
     eager = LLM(str(gemma), dtype="float32", enforce_eager=True, **SETTINGS)
-    assert eager.engine.executor.runner.model.layer_stack is None
+    assert eager.engine.executor.runner.model.layers_runner is None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.worker.cpu import pack_weights
 from kernels.cpu import packed_linear
 from kernels.cpu.packed_linear import can_pack, linear, pack
 from tests.prompts import shared_prefix_prompts
@@ -69,4 +70,4 @@ def test_float32_weights_stay_as_loaded(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=16, max_model_len=64)
     model = llm.engine.executor.runner.model
     assert model.lm_head_packed is None and model.layers[0].mlp.down_proj.packed is None
-    assert model.pack_weights() is False
+    assert pack_weights(model) is False

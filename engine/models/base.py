@@ -1,7 +1,11 @@
 """What every decoder-only model here shares: the vocab-parallel embedding, a stack of decoder
-layers, the final norm and the LM head; rotary tables; loading by Hugging Face names; weight
-prepacking and fused CPU ops. An architecture file subclasses `DecoderModel` with its layer
-(`build_layer`) and the few switches below.
+layers, the final norm and the LM head; rotary tables; loading by Hugging Face names. An
+architecture file subclasses `DecoderModel` with its layer (`build_layer`) and the few switches
+below.
+
+How a platform runs the model faster is not the model's business: after loading, the worker may
+give it prepacked weights, fused elementwise ops and a `layers_runner` that replaces the Python
+loop over its layers (engine/worker/cpu/ does, on the CPU); the model only uses what it is given.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from engine.models.interface import ArchitectureInfo
 from engine.models.layers.attention import Attention, AttentionOptions, ForwardContext
 from engine.models.layers.linear import (
     CheckpointTensor,
-    PackableLinear,
     ParallelLMHead,
     VocabParallelEmbedding,
 )
@@ -27,7 +30,7 @@ from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.weights import load_checkpoint
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.cpu.packed_linear import can_pack, linear, pack
+from kernels.cpu.packed_linear import linear
 
 # Checkpoint module names fused into one of ours: name -> (our name, part).
 FUSED_QKV_GATE_UP = {
@@ -39,14 +42,11 @@ FUSED_QKV_GATE_UP = {
 }
 
 
-class LayerStackCall(Protocol):
-    def __call__(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
+class LayersRunner(Protocol):
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The last decoder layer's output for the embeddings `x`, each layer's K/V stored in
+        its cache: what the model's layers called in order give."""
+        ...
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:
@@ -81,10 +81,10 @@ class DecoderModel(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.hidden_size, self.embed_tokens)
         self.rotary: dict[str, RotaryEmbedding] = {}
+        # What a platform may give the model after loading (engine/worker/cpu/ on the CPU):
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
-        self.fused_ops: ModuleType | None = None
-        # All layers in one C++ call under the CPU attention backend (engine/models/layer_stack.py).
-        self.layer_stack: LayerStackCall | None = None
+        self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
+        self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
 
     # ------------------------------------------------------------ what a subclass provides
 
@@ -167,8 +167,8 @@ class DecoderModel(nn.Module):
         scale = self.embedding_scale()
         if scale is not None:  # in the activations' dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
-        if self.layer_stack is not None and backend.name == "cpu":
-            x = self.layer_stack(x, rope["default"], kv_caches, meta)
+        if self.layers_runner is not None:
+            x = self.layers_runner(x, ctx)
         else:
             for layer in self.layers:
                 x = layer(x, ctx)
@@ -195,30 +195,3 @@ class DecoderModel(nn.Module):
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         return self.locate(name)
-
-    def pack_weights(self) -> bool:
-        """Prepack every linear weight for the CPU's fastest bfloat16 kernel
-        (kernels/cpu/packed_linear), after loading; the unpacked copies are dropped, but the
-        embedding's, which the lookup still reads. False if the weights cannot be packed here."""
-        if not can_pack(self.embed_tokens.weight):
-            return False
-        if self.tie_word_embeddings:
-            self.lm_head_packed = pack(self.embed_tokens.weight)
-        for module in self.modules():
-            weight = module.weight if isinstance(module, PackableLinear) else None
-            if weight is not None and can_pack(weight):
-                module.packed = pack(weight)
-                module.register_parameter("weight", None)
-        return True
-
-    def fuse_cpu_ops(self) -> str | None:
-        """Run the norms, residual adds, rotary and SiLU-mul through kernels/cpu/fused_ops (built
-        with the package). None when done, else why not: the layers then keep their torch ops."""
-        if self.embed_tokens.weight.device.type != "cpu":
-            return "not on the CPU"
-        try:
-            from kernels.cpu import fused_ops
-        except ImportError as exc:  # not built, or not for this CPU
-            return f"kernels.cpu.fused_ops does not load: {exc}"
-        self.fused_ops = fused_ops
-        return None

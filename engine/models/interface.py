@@ -54,10 +54,6 @@ class CausalLM(Protocol):
         """Built after the weights are in place (the module is created on the meta device)."""
         ...
 
-    def pack_weights(self) -> bool: ...
-
-    def fuse_cpu_ops(self) -> str | None: ...
-
 
 class ModelClass(Protocol):
     """An architecture: built from its config and this rank's shard, described before it is."""

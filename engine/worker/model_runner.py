@@ -17,7 +17,7 @@ from engine.distributed.shard import Shard
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import ModelSpec
 from engine.models.interface import CausalLM
-from engine.models.layer_stack import stack_cpu_layers
+from engine.worker.cpu import prepare_model
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, build_backend
@@ -156,25 +156,9 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
                 why_not,
             )
     model = load_model(spec, shard, torch.device(device))
-    if not config.model.enforce_eager and model.pack_weights() and shard.rank == 0:
-        log.info(
-            "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
-        )
     backend = build_backend(spec.attention_backend)
     if device == "cpu" and not config.model.enforce_eager:
-        why_not = model.fuse_cpu_ops()
-        if why_not is not None and shard.rank == 0:
-            log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
-        # The loop is the cpu backend's path: under another backend it would never run.
-        if backend.name == "cpu":
-            why_not = stack_cpu_layers(model)
-        else:
-            why_not = f"the {backend.name} attention backend"
-        if shard.rank == 0:
-            if why_not is None:
-                log.info("decoder layers run in one C++ loop on the CPU (--enforce-eager: Python)")
-            else:
-                log.info("decoder layers run from Python: %s", why_not)
+        prepare_model(model, backend, log_here=shard.rank == 0)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)

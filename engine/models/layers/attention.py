@@ -25,7 +25,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
-    fused: ModuleType | None  # kernels.cpu.fused_ops once the model loaded it, else None
+    fused: ModuleType | None  # the fused elementwise ops the model was given, else None
 
 
 @dataclass(frozen=True)

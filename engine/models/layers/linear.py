@@ -42,7 +42,8 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class PackableLinear(nn.Module):
-    """A linear layer that runs on its prepacked CPU weight once `pack_weights` made one."""
+    """A linear layer that runs on its prepacked CPU weight once the CPU path made one
+    (engine/worker/cpu/)."""
 
     packed: torch.Tensor | None = None
 

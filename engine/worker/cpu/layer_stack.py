@@ -1,5 +1,6 @@
 """Runs every decoder layer of a Llama-shaped model on the CPU in one C++ call
-(kernels/cpu/layer_stack.cpp) instead of a Python loop over the layers.
+(kernels/cpu/layer_stack.cpp) instead of a Python loop over the layers: the model's
+`layers_runner`, installed here for the CPU attention backend.
 
 Each layer's work is the same ops with the same operands as `PreNormLayer` with the fused CPU ops
 and the CPU attention backend, so the hidden states are the same numbers; what goes away is the
@@ -15,10 +16,10 @@ import torch
 
 from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
+from engine.models.layers.attention import ForwardContext
 from engine.models.layers.linear import PackableLinear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.llama import PreNormLayer
-from kernels.attention import AttentionMetadata
 from kernels.cpu import packed_linear
 from kernels.kv_store import stored_rows
 
@@ -62,6 +63,7 @@ class CpuLayerStack:
         from kernels.cpu.layer_stack import LAYER_TENSORS, LayerStack
 
         self.cpu_backend = cpu_backend
+        self.layers = layers
 
         tensors: list[torch.Tensor | None] = []
         windows, plans = [], []
@@ -100,14 +102,14 @@ class CpuLayerStack:
             packed_linear.own_layout(),
         )
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The last layer's output for embeddings `x`, storing each layer's K/V in its cache."""
+        # The loop is the cpu backend's path: under another backend the Python layers run.
+        if ctx.backend.name != "cpu":
+            for layer in self.layers:
+                x = layer(x, ctx)
+            return x
+        kv_caches, meta = ctx.kv_caches, ctx.meta
         k_cache = kv_caches[0][0]
         rows, slots = stored_rows(meta.slot_mapping)  # once a step, for every layer
         long = 0
@@ -124,7 +126,7 @@ class CpuLayerStack:
                 ]
                 for window in self.windows
             ]
-        cos, sin = rope
+        cos, sin = ctx.rope["default"]
         return self.stack.forward(
             x,
             cos[:, 0],
@@ -151,7 +153,7 @@ def stack_cpu_layers(model: CausalLM) -> str | None:
         return layers
     assert isinstance(model, DecoderModel)
     try:
-        model.layer_stack = CpuLayerStack(layers)
+        model.layers_runner = CpuLayerStack(layers)
     except ImportError as exc:  # not built, or not for this CPU
         return f"kernels.cpu.layer_stack does not load: {exc}"
     return None
