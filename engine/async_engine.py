@@ -5,10 +5,8 @@ node) drives it. Requests and aborts cross to it on a thread-safe queue that it 
 top of every iteration; each request's outputs come back to that request's own asyncio queue
 through `loop.call_soon_threadsafe`, so the event loop never waits on the model.
 
-What a frontend may use is this class's client surface, all safe on the event loop: `info`
-(frozen: names, limits, KV pool size, a tokenizer of the frontend's own), `validate`,
-`compile_grammar`, `generate`, `abort`, `on_stats`, and the lifecycle (`start`, `is_alive`,
-`dead_reason`, `shutdown`). `engine` belongs to the engine thread.
+What a frontend may use is the `EngineClient` surface (engine/client.py), all safe on the event
+loop. `engine` belongs to the engine thread.
 """
 
 from __future__ import annotations
@@ -24,24 +22,14 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from config import EngineConfig
+from engine.client import EngineRequest
 from engine.engine_info import EngineInfo
-from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.llm_engine import CheckedRequest, LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped, so this request cannot be served. `failed` is true for a
-    request that was in flight when a step raised (the server's fault: HTTP 500); false when
-    the engine was already gone or shut down (unavailable: 503)."""
-
-    def __init__(self, message: str, failed: bool = False) -> None:
-        super().__init__(message)
-        self.failed = failed
 
 
 @dataclass
@@ -60,10 +48,8 @@ class _Sink:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest
+    checked: CheckedRequest
     sink: _Sink
     # Stamped when the caller hands the request over, not when the engine thread takes it: a
     # request that waits in the inbox behind a running step has arrived all the same.
@@ -152,39 +138,34 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- asyncio side
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for what the engine would refuse: call before generate(),
-        so that bad input is a 400 before it is queued."""
-        self.info.validate(prompt_ids, params)
-
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's structured output constraint, if any, on a worker thread (it
-        can take a second for a large schema), so that a bad one is a 400 before queueing and
-        the engine thread finds it compiled."""
+    async def submit(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Check the request (InvalidRequestError: nothing is queued) and return its stream of
+        outputs, the last one with `finished` set. The grammar, if any, compiles on a worker
+        thread (a large schema can take a second) so the engine thread finds it compiled."""
+        params = request.params
+        self.info.validate(request.prompt_token_ids, params)
+        grammar = None
         if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+            grammar = await asyncio.to_thread(
+                self.engine.grammars.compile, params.structured_outputs
+            )
+        return self._stream(request, CheckedRequest(grammar))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (a no-op for one that finished or is unknown); its generate() ends
-        with a last output whose finish_reason is 'abort'."""
+        """Stop a request (a no-op for one that finished or is unknown); its stream ends with a
+        last output whose finish_reason is 'abort'."""
         self._inbox.put(_Abort(request_id))
 
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        prompt_token_ids: list[int],
+    async def _stream(
+        self, request: EngineRequest, checked: CheckedRequest
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs as the engine makes them, the last one with `finished` set.
-        Leaving the iteration early (a client that went away) aborts the request."""
+        """Queues the request when first iterated; leaving early (a client that went away)
+        aborts it."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if not self._accepting:
                 raise EngineDeadError(self.dead_reason())
-            self._inbox.put(
-                _Add(request_id, prompt, prompt_token_ids, params, sink, arrival_time=time.time())
-            )
+            self._inbox.put(_Add(request, checked, sink, arrival_time=time.time()))
         finished = False
         try:
             while not finished:
@@ -196,7 +177,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     def dead_reason(self) -> str:
         if self.error is not None:
@@ -260,18 +241,20 @@ class AsyncEngine:
                     sink.send(output)
 
     def _add(self, item: _Add) -> None:
+        request = item.request
         try:
             self.engine.add_request(
-                item.prompt,
-                item.params,
-                item.request_id,
+                request.prompt,
+                request.params,
+                request.request_id,
                 arrival_time=item.arrival_time,
-                prompt_token_ids=item.prompt_token_ids,
+                prompt_token_ids=request.prompt_token_ids,
+                checked=item.checked,
             )
-        except InvalidRequestError as exc:
+        except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)
             return
-        self._sinks[item.request_id] = item.sink
+        self._sinks[request.request_id] = item.sink
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)

@@ -11,3 +11,13 @@ class InvalidRequestError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """The model cannot be loaded (missing folder, unsupported architecture): a start-up error."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped, so this request cannot be served. `failed` is true for a
+    request that was in flight when a step raised (the server's fault: HTTP 500); false when
+    the engine was already gone or shut down (unavailable: 503)."""
+
+    def __init__(self, message: str, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed

@@ -63,11 +63,11 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
         token_ids = [self.engine.tokenize(prompt) for prompt in batch]
-        for ids, p in zip(token_ids, params):
-            self.engine.validate(ids, p)
+        # Every prompt checked before any is queued: one bad prompt fails the call, not a step.
+        checked = [self.engine.check(ids, p) for ids, p in zip(token_ids, params)]
         request_ids = [
-            self.engine.add_request(prompt, p, prompt_token_ids=t)
-            for prompt, p, t in zip(batch, params, token_ids)
+            self.engine.add_request(prompt, p, prompt_token_ids=t, checked=c)
+            for prompt, p, t, c in zip(batch, params, token_ids, checked)
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -4,9 +4,11 @@ thread (the engine thread) drives it."""
 from __future__ import annotations
 
 import itertools
-from functools import partial
 import logging
 import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -33,6 +35,14 @@ from engine.worker.model_input import build_step_batch
 from engine.worker.sampler import Sampler, position_logprobs
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request its caller has validated, with its grammar (if any) compiled: `add_request`
+    checks it no more."""
+
+    grammar: Any  # an xgrammar.CompiledGrammar, or None without a structured output
 
 
 class LLMEngine:
@@ -104,9 +114,12 @@ class LLMEngine:
             return encode(self.tokenizer, prompt)
         return list(prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Everything that would make the request fail inside a step is rejected here."""
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """Everything that would make the request fail inside a step is rejected here
+        (InvalidRequestError); its grammar, if any, compiles."""
         self.info.validate(prompt_ids, params)
+        structured = params.structured_outputs
+        return CheckedRequest(self.grammars.compile(structured) if structured else None)
 
     def add_request(
         self,
@@ -115,17 +128,19 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        checked: CheckedRequest | None = None,
     ) -> str:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
-        prompt is then not tokenized again)."""
+        prompt is then not tokenized again); `checked`, when given, says it was validated and
+        holds its compiled grammar."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        self.validate(prompt_ids, params)
+        if checked is None:
+            checked = self.check(prompt_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        structured = params.structured_outputs
-        grammar = self.grammars.compile(structured) if structured is not None else None
+        structured, grammar = params.structured_outputs, checked.grammar
         sequences = []
         for i in range(params.n):
             generator = None

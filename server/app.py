@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, errors, auth and CORS around one AsyncEngine."""
+"""The FastAPI application: routes, errors, auth and CORS around one EngineClient."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from config import ServerConfig
 from config.engine_config import default_cache_dir
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.client import EngineClient, EngineDeadError
 from engine.processing.tokenization import decode, encode
 from server.errors import APIError, engine_dead, install_error_handlers
 from server.http.admission import GeneratingRoute, shutting_down
@@ -55,7 +55,7 @@ def log_ignored_fields(req: BaseModel) -> None:
     log.warning("The following fields were present in the request but ignored: {%s}", shown)
 
 
-def attach_metrics(engine: AsyncEngine, config: ServerConfig) -> EngineMetrics:
+def attach_metrics(engine: EngineClient, config: ServerConfig) -> EngineMetrics:
     """The engine's metrics in a registry of their own, fed from now on by its thread."""
     info = engine.info
     metrics = EngineMetrics(
@@ -78,7 +78,7 @@ def package_version() -> str:
 
 
 def create_app(
-    engine: AsyncEngine, config: ServerConfig, metrics: EngineMetrics | None = None
+    engine: EngineClient, config: ServerConfig, metrics: EngineMetrics | None = None
 ) -> FastAPI:
     """The app serves `engine`, which the caller starts and stops (one engine can back several
     apps), and `metrics` at /metrics (see `attach_metrics`)."""

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import InvalidRequestError
-from engine.async_engine import EngineDeadError
+from engine.client import EngineDeadError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.client import EngineClient
 from server.http.admission import Gate
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ FLUSH_SECONDS = 10.0  # for responses still being sent once their requests have 
 
 class DrainingServer(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, shutdown_timeout: float
+        self, config: uvicorn.Config, engine: EngineClient, gate: Gate, shutdown_timeout: float
     ) -> None:
         super().__init__(config)
         self.engine = engine

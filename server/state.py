@@ -14,8 +14,8 @@ from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
 from config import ServerConfig
-from engine import RequestOutput, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine import RequestOutput
+from engine.client import EngineClient
 from server.errors import APIError, model_not_found
 from server.http.admission import Gate
 
@@ -24,16 +24,16 @@ T = TypeVar("T")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def served_model_names(engine: AsyncEngine, config: ServerConfig) -> list[str]:
+def served_model_names(engine: EngineClient, config: ServerConfig) -> list[str]:
     return list(config.served_model_name or [engine.info.model or DEFAULT_MODEL_NAME])
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     model_names: list[str]
-    tokenizer: PreTrainedTokenizerBase  # the frontend's own (see AsyncEngine.info)
+    tokenizer: PreTrainedTokenizerBase  # the frontend's own (see EngineClient.info)
     gate: Gate
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
@@ -45,7 +45,7 @@ class ServerState:
     @classmethod
     def build(
         cls,
-        engine: AsyncEngine,
+        engine: EngineClient,
         config: ServerConfig,
         on_reject: Callable[[str], None] | None = None,
     ) -> ServerState:
@@ -81,21 +81,14 @@ class ServerState:
         return requested
 
     async def generate(
-        self,
-        request: Request,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        prompt_token_ids: list[int],
+        self, request: Request, submitted: AsyncGenerator[RequestOutput, None]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs for one request; the first one ends the HTTP request's wait in
-        the admission gate's queue."""
+        """The outputs of a request submitted to the engine (openai/inputs.py `submit`); the
+        first one ends the HTTP request's wait in the admission gate's queue."""
         ticket = request.scope.get("state", {}).get("ticket")
         if ticket is None:
             raise RuntimeError(f"{request.url.path} generates but is not a GeneratingRoute")
-        async with aclosing(
-            self.engine.generate(prompt, params, request_id, prompt_token_ids)
-        ) as outputs:
+        async with aclosing(submitted) as outputs:
             if not ticket.started:  # (a sibling of a multi-prompt request may have started it)
                 first = await self._first_output(outputs)
                 ticket.start()

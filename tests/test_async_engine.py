@@ -12,7 +12,8 @@ import pytest
 
 from config import EngineConfig
 from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine
+from engine.client import EngineDeadError, EngineRequest
 from engine.errors import ModelLoadError
 from engine.stats import EngineStats
 from tests.models import finish_all
@@ -34,7 +35,8 @@ def _settings(folder: Path) -> dict[str, object]:
 async def _collect(
     engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str
 ) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params, request_id, prompt)]
+    stream = await engine.submit(EngineRequest(request_id, prompt, prompt, params))
+    return [out async for out in stream]
 
 
 def test_concurrent_requests_get_their_own_tokens(llama_dir: Path) -> None:
@@ -69,7 +71,7 @@ def test_leaving_early_aborts_and_frees_blocks(llama_dir: Path) -> None:
     try:
 
         async def main() -> None:
-            stream = engine.generate(PROMPTS[0], long, "early", PROMPTS[0])
+            stream = await engine.submit(EngineRequest("early", PROMPTS[0], PROMPTS[0], long))
             first = await stream.__anext__()
             assert not first.finished
             await stream.aclose()  # what a disconnecting client's cancellation amounts to
@@ -140,7 +142,7 @@ def test_shutdown_aborts_requests_in_flight(llama_dir: Path) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main() -> RequestOutput:
-        stream = engine.generate(PROMPTS[0], long, "inflight", PROMPTS[0])
+        stream = await engine.submit(EngineRequest("inflight", PROMPTS[0], PROMPTS[0], long))
         await stream.__anext__()  # running now
         threading.Thread(target=engine.shutdown).start()
         last = None
@@ -179,7 +181,12 @@ def test_the_engine_is_built_on_the_thread_that_runs_it(
         async def one() -> list[int]:
             params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
             return (
-                [o async for o in engine.generate([5, 6, 7], params, "r0", [5, 6, 7])][-1]
+                [
+                    o
+                    async for o in await engine.submit(
+                        EngineRequest("r0", [5, 6, 7], [5, 6, 7], params)
+                    )
+                ][-1]
                 .outputs[0]
                 .token_ids
             )
@@ -222,7 +229,7 @@ def test_waiting_for_the_engine_thread_counts_as_queue_time(llama_dir: Path) -> 
 
         async def main() -> list[RequestOutput]:
             params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-            stream = engine.generate([5, 6, 7], params, "held", [5, 6, 7])
+            stream = await engine.submit(EngineRequest("held", [5, 6, 7], [5, 6, 7], params))
             first = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(held)  # the request sits in the inbox; the thread waits for start
             engine.start()

@@ -1,5 +1,5 @@
-"""The server's view of the engine is AsyncEngine's client surface: frozen info, a validate that
-reads only that info, generate and abort. Checked on the default engine."""
+"""The server's view of the engine is the EngineClient protocol: frozen info, a submit that
+checks a request before anything is queued, streams and abort. Checked on the default engine."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from engine import InvalidRequestError, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.client import EngineClient, EngineRequest
 
 SERVER = Path(__file__).resolve().parent.parent / "server"
 
@@ -45,7 +46,7 @@ def test_validate_refuses_what_a_step_would_fail_on(
     default_engine: AsyncEngine, prompt: list[int], params: SamplingParams, param: str
 ) -> None:
     with pytest.raises(InvalidRequestError) as refused:
-        default_engine.validate(prompt, params)
+        asyncio.run(default_engine.submit(EngineRequest("refused", prompt, prompt, params)))
     assert refused.value.param == param
 
 
@@ -53,7 +54,8 @@ def test_abort_ends_a_request_with_finish_reason_abort(default_engine: AsyncEngi
     async def run() -> list[str | None]:
         params = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0)
         reasons = []
-        async for output in default_engine.generate("Once", params, "abort-me", [1, 2, 3]):
+        stream = await default_engine.submit(EngineRequest("abort-me", "Once", [1, 2, 3], params))
+        async for output in stream:
             if output.outputs[0].token_ids and not output.finished:
                 default_engine.abort("abort-me")
             reasons.append(output.outputs[0].finish_reason)
@@ -64,5 +66,33 @@ def test_abort_ends_a_request_with_finish_reason_abort(default_engine: AsyncEngi
 
 
 def test_the_server_uses_only_the_client_surface() -> None:
-    for path in SERVER.glob("*.py"):
-        assert "engine.engine" not in path.read_text(), path.name
+    """Only the launcher names the implementation; every other module sees the protocol."""
+    for path in SERVER.rglob("*.py"):
+        text = path.read_text()
+        assert "engine.engine" not in text, path
+        if path.name != "launch.py":
+            assert "engine.async_engine" not in text and "AsyncEngine" not in text, path
+
+
+def test_the_async_engine_implements_the_client_protocol(default_engine: AsyncEngine) -> None:
+    client: EngineClient = default_engine  # mypy checks the protocol; this checks the names
+    members = [name for name in dir(EngineClient) if not name.startswith("_")]
+    assert members and all(hasattr(client, name) for name in members)
+    assert {"submit", "abort", "info", "is_alive"} <= set(members) | set(
+        EngineClient.__annotations__
+    )
+
+
+def test_a_bad_request_fails_at_submit_with_nothing_queued(default_engine: AsyncEngine) -> None:
+    async def run() -> None:
+        good = SamplingParams(max_tokens=2)
+        await default_engine.submit(EngineRequest("queued-never", [1, 2], [1, 2], good))
+        with pytest.raises(InvalidRequestError) as refused:
+            await default_engine.submit(
+                EngineRequest("bad", [1, 2], [1, 2], SamplingParams(n=10**4))
+            )
+        assert refused.value.param == "n"
+
+    asyncio.run(run())
+    inner = default_engine.engine
+    assert "queued-never" not in inner.requests and "bad" not in inner.requests

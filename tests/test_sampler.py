@@ -342,7 +342,7 @@ def test_engine_validation_names_the_parameter(llm: LLM) -> None:
     ]
     for params, param in cases:
         with pytest.raises(InvalidRequestError) as info:
-            llm.engine.validate(prompt, params)
+            llm.engine.check(prompt, params)
         assert info.value.param == param
 
 

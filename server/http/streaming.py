@@ -2,7 +2,8 @@
 
 A streaming client that goes away is noticed by Starlette's StreamingResponse (it listens for
 the disconnect and cancels the body). A non-streaming one is noticed by `until_disconnected`.
-Either way the cancellation reaches `AsyncEngine.generate`, whose exit aborts the request.
+Either way the cancellation reaches the engine stream (`EngineClient.submit`), whose exit
+aborts the request.
 """
 
 from __future__ import annotations

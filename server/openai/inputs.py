@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from config import ServerConfig
-from engine import InvalidRequestError, SamplingParams
+from engine import InvalidRequestError, RequestOutput, SamplingParams
+from engine.client import EngineRequest
 from engine.processing.tokenization import encode_chat
 from engine.structured import StructuredOutputsParams
 from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, invalid
@@ -109,25 +111,28 @@ def engine_params(
     prompt_logprobs: int | None = None,
     structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """One prompt's SamplingParams, or a 400 before anything is queued: the server's limits, the
-    completion budget (`requested` max tokens), then the engine's own checks."""
+    """One prompt's SamplingParams, or a 400: the server's limits and the completion budget
+    (`requested` max tokens). The engine's own checks come with `submit`."""
     config = state.config
     check_limits(config, req.n, len(prompt_ids), requested, prompt_param)
     max_tokens = resolve_max_tokens(
         requested, len(prompt_ids), state.max_model_len, prompt_param, config.max_output_tokens
     )
-    params = sampling_params(req, max_tokens, logprobs, prompt_logprobs, structured)
-    state.engine.validate(prompt_ids, params)
-    return params
+    return sampling_params(req, max_tokens, logprobs, prompt_logprobs, structured)
 
 
-async def compile_constraint(state: ServerState, params: SamplingParams, param: str) -> None:
-    """The request's grammar compiled (and cached) off the event loop and the engine thread; a
-    schema, regex or grammar that does not compile is a 400 naming `param`."""
+async def submit(
+    state: ServerState, request: EngineRequest, constraint_param: str = ""
+) -> AsyncGenerator[RequestOutput, None]:
+    """Hand one prompt to the engine, which checks it and compiles its grammar (off the event
+    loop and the engine thread): a 400 before anything is queued, a grammar that does not
+    compile naming `constraint_param`. The stream queues the request when first iterated."""
     try:
-        await state.engine.compile_grammar(params)
+        return await state.engine.submit(request)
     except InvalidRequestError as exc:
-        raise invalid(str(exc), param) from None
+        if exc.param == "structured_outputs" and constraint_param:
+            raise invalid(str(exc), constraint_param) from None
+        raise
 
 
 def _tool_calls(message: ChatMessage, i: int, call_ids: set[str]) -> list[dict[str, Any]]:

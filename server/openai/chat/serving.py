@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
+from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputsParams
 from server.http.streaming import event_stream, last_output, sse, until_disconnected
@@ -27,7 +28,7 @@ from server.openai.chat.protocol import (
     Delta,
 )
 from server.openai.chat.tool_choice import ToolPlan, plan_tools
-from server.openai.inputs import chat_messages, compile_constraint, engine_params, render_chat
+from server.openai.inputs import chat_messages, engine_params, render_chat, submit
 from server.openai.logprobs import chat_logprobs
 from server.openai.parsers import reasoning_parser_for
 from server.openai.protocol import ChatLogprobs, Usage
@@ -44,13 +45,17 @@ class PreparedChat:
     params: SamplingParams
     plan: ToolPlan
     reasoning_parser: str | None
+    outputs: AsyncGenerator[RequestOutput, None]  # submitted; queued when first iterated
 
     def shaper(self) -> ChoiceShaper:
         return ChoiceShaper.build(self.plan, self.reasoning_parser)
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
-    """Render, tokenize and check a chat request (a 400 for anything wrong), before queueing."""
+async def prepare_chat(
+    state: ServerState, req: ChatCompletionRequest, request_id: str
+) -> PreparedChat:
+    """Render, tokenize, check and submit a chat request (a 400 for anything wrong, with
+    nothing queued)."""
     req.check()
     plan = plan_tools(req, state.config.tool_call_parser)
     constraint = req.constraint()
@@ -76,20 +81,22 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if plan.mode == "auto" and plan.parser in ("llama3_json", "mistral"):
         req.skip_special_tokens = False  # their markers (<|python_tag|>, [TOOL_CALLS]) are special
     params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
-    await compile_constraint(state, params, constraint_param)
-    return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser)
+    outputs = await submit(
+        state, EngineRequest(request_id, prompt_ids, prompt_ids, params), constraint_param
+    )
+    return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)
 
 
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, request: Request
 ) -> ChatCompletion | StreamingResponse:
     model = state.resolve_model(req.model)
-    prepared = await prepare_chat(state, req)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    prepared = await prepare_chat(state, req, response_id)
     prompt_ids, params = prepared.prompt_ids, prepared.params
     top_n = params.logprobs
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = state.generate(request, prompt_ids, params, response_id, prompt_ids)
+    stream = state.generate(request, prepared.outputs)
 
     def logprobs_of(c: CompletionOutput, token_ids: list[int], start: int) -> ChatLogprobs | None:
         if top_n is None:

@@ -13,12 +13,13 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
+from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
 from engine.processing.tokenization import decode, encode
 from server.errors import invalid
 from server.http.streaming import event_stream, merge, sse, until_disconnected
 from server.openai.completions.protocol import Completion, CompletionChoice, CompletionRequest
-from server.openai.inputs import compile_constraint, engine_params
+from server.openai.inputs import engine_params, submit
 from server.openai.logprobs import add_completion_logprobs
 from server.openai.protocol import CompletionLogprobs, Usage
 from server.openai.usage import RunningUsage
@@ -30,6 +31,7 @@ class _Prompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams = field(init=False)
+    outputs: AsyncGenerator[RequestOutput, None] = field(init=False)  # submitted, not yet queued
 
 
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -40,7 +42,7 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(cast(list[str] | list[list[int]], prompt))
 
 
-async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+async def _prepare(state: ServerState, req: CompletionRequest, response_id: str) -> list[_Prompt]:
     req.check()
     raw = _split_prompts(req.prompt)
     if not raw:
@@ -66,7 +68,14 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
             prompt_logprobs=logprobs if req.echo else None,
             structured=structured,
         )
-    await compile_constraint(state, prompts[0].params, constraint_param)
+    # Every prompt submitted (checked, its grammar compiled) before any is queued.
+    for i, p in enumerate(prompts):
+        prompt = p.text if p.text is not None else p.token_ids
+        p.outputs = await submit(
+            state,
+            EngineRequest(f"{response_id}-{i}", prompt, p.token_ids, p.params),
+            constraint_param,
+        )
     return prompts
 
 
@@ -74,19 +83,10 @@ async def create_completion(
     state: ServerState, req: CompletionRequest, request: Request
 ) -> Completion | StreamingResponse:
     model = state.resolve_model(req.model)
-    prompts = await _prepare(state, req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = await _prepare(state, req, response_id)
     created = int(time.time())
-    streams = [
-        state.generate(
-            request,
-            p.text if p.text is not None else p.token_ids,
-            p.params,
-            f"{response_id}-{i}",
-            p.token_ids,
-        )
-        for i, p in enumerate(prompts)
-    ]
+    streams = [state.generate(request, p.outputs) for p in prompts]
     writer = _ChoiceWriter(state, req, prompts)
     if req.stream:
         return event_stream(_stream(writer, streams, response_id, created, model))

@@ -53,11 +53,10 @@ async def create_response(
         history = previous.messages
     messages, stored_items = input_messages(req.input)
     conversation = history + messages
-    prepared = await _prepare(state, req, conversation)
-    response = _skeleton(req, model)
-    outputs = state.generate(
-        request, prepared.prompt_ids, prepared.params, response["id"], prepared.prompt_ids
-    )
+    response_id = item_id("resp")
+    prepared = await _prepare(state, req, conversation, response_id)
+    response = _skeleton(req, model, response_id)
+    outputs = state.generate(request, prepared.outputs)
     run = _Run(state, store, req, prepared, response, conversation, stored_items)
     if req.stream:
         return StreamingResponse(run.events(outputs), media_type="text/event-stream")
@@ -82,14 +81,14 @@ _RESPONSES_PARAMS = {
 
 
 async def _prepare(
-    state: ServerState, req: ResponsesRequest, conversation: list[dict[str, Any]]
+    state: ServerState, req: ResponsesRequest, conversation: list[dict[str, Any]], response_id: str
 ) -> PreparedChat:
     """The chat request prepared; with `truncation: auto`, the oldest turns of a conversation
     too long for the context are dropped (a tool output with the call it answers) until it
     fits or one message is left."""
     while True:
         try:
-            return await prepare_chat(state, chat_request(req, conversation))
+            return await prepare_chat(state, chat_request(req, conversation), response_id)
         except APIError as exc:
             fits = exc.code != CONTEXT_LENGTH_EXCEEDED  # (prompt and output budget together)
             if req.truncation != "auto" or fits or len(conversation) == 1:
@@ -102,10 +101,10 @@ async def _prepare(
                 conversation = conversation[1:]
 
 
-def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def _skeleton(req: ResponsesRequest, model: str, response_id: str) -> dict[str, Any]:
     """The response object before any output: the request's settings, echoed as OpenAI does."""
     return {
-        "id": item_id("resp"),
+        "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
         "status": "in_progress",

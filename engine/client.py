@@ -1,0 +1,53 @@
+"""What a frontend may call on the engine: the `EngineClient` protocol (`AsyncEngine` is the
+one implementation), the request it submits, and the errors it may get back. The server is
+written against this, never against the engine thread's objects.
+
+A request crosses once: `submit` checks it (the engine's limits, then its grammar compiled off
+the event loop) and raises `InvalidRequestError` before anything is queued; the stream it
+returns queues the request when first iterated, so a caller with several prompts submits all
+of them before it starts any. Leaving a stream early aborts its request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.engine_info import EngineInfo
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+__all__ = ["EngineClient", "EngineDeadError", "EngineRequest", "InvalidRequestError"]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: str | list[int]  # as the client gave it: text, or token ids
+    prompt_token_ids: list[int]  # the prompt tokenized by the caller (with its chat template)
+    params: SamplingParams
+
+
+class EngineClient(Protocol):
+    # Frozen: names, limits, KV pool size, and a tokenizer of the caller's own.
+    info: EngineInfo
+    # Called on the engine thread after every iteration, idle ones included (metrics).
+    on_stats: Callable[[EngineStats], None] | None
+    # Why the engine thread stopped stepping, once a step has raised; None while healthy.
+    error: BaseException | None
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+    def dead_reason(self) -> str: ...
+
+    async def submit(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
