@@ -30,7 +30,12 @@ from server.openai.completions.protocol import Completion, CompletionRequest
 from server.openai.completions.serving import create_completion
 from server.openai.inputs import chat_messages, render_chat
 from server.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from server.openai.responses.protocol import ResponsesRequest
+from server.openai.responses.protocol import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from server.openai.responses.serving import create_response, input_items_page, not_found, retrieve
 from server.openai.responses.store import open_response_store
 from server.state import ServerState, served_model_names
@@ -155,18 +160,18 @@ def create_app(
     app.include_router(generating)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        return JSONResponse((await retrieve(store, response_id)).response)
+    async def get_response(response_id: str) -> ResponseObject:
+        return ResponseObject.model_validate((await retrieve(store, response_id)).response)
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(response_id: str) -> JSONResponse:
-        return JSONResponse(input_items_page(await retrieve(store, response_id)))
+    async def get_input_items(response_id: str) -> InputItemList:
+        return input_items_page(await retrieve(store, response_id))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> JSONResponse:
+    async def delete_response(response_id: str) -> DeletedResponse:
         if not await asyncio.to_thread(store.delete, response_id):
             raise not_found(response_id)
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return DeletedResponse(id=response_id)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -4,11 +4,18 @@ its text or arguments grow by deltas, then it is done."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from server.openai.chat.protocol import Delta
 from server.openai.responses.inputs import item_id
+from server.openai.responses.protocol import (
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+)
 
 Event = dict[str, Any]
 
@@ -18,8 +25,8 @@ class OutputBuilder:
     sequence numbers: the stream numbers them). `output` holds the items so far."""
 
     def __init__(self) -> None:
-        self.output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the item still growing
+        self.output: list[OutputItem] = []
+        self._open: OutputItem | None = None  # the item still growing
 
     def feed(self, deltas: list[Delta]) -> list[Event]:
         events: list[Event] = []
@@ -32,14 +39,12 @@ class OutputBuilder:
                 if call.id is not None:
                     events += self._close()
                     events += self._add(
-                        {
-                            "type": "function_call",
-                            "id": item_id("fc"),
-                            "call_id": call.id,
-                            "name": call.function.name,
-                            "arguments": "",
-                            "status": "in_progress",
-                        }
+                        FunctionCallItem(
+                            id=item_id("fc"),
+                            call_id=call.id,
+                            name=call.function.name or "",
+                            arguments="",
+                        )
                     )
                 events += self._grow("function_call", call.function.arguments)
         return events
@@ -50,68 +55,55 @@ class OutputBuilder:
     @property
     def text(self) -> str:
         return "".join(
-            part["text"]
+            part.text
             for item in self.output
-            if item["type"] == "message"
-            for part in item["content"]
+            if isinstance(item, MessageItem)
+            for part in item.content
         )
 
     # ------------------------------------------------------------------ items
 
     def _where(self) -> dict[str, Any]:
         assert self._open is not None
-        return {"item_id": self._open["id"], "output_index": len(self.output) - 1}
+        return {"item_id": self._open.id, "output_index": len(self.output) - 1}
 
-    def _add(self, item: dict[str, Any]) -> list[Event]:
+    def _add(self, item: OutputItem) -> list[Event]:
         self.output.append(item)
         self._open = item
         events = [
             {
                 "type": "response.output_item.added",
                 "output_index": len(self.output) - 1,
-                "item": copy.deepcopy(item),
+                "item": item.model_dump(),
             }
         ]
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
+        if isinstance(item, MessageItem):
+            part = OutputText(text="")
+            item.content.append(part)
             events.append(
                 {
                     "type": "response.content_part.added",
                     **self._where(),
                     "content_index": 0,
-                    "part": copy.deepcopy(part),
+                    "part": part.model_dump(),
                 }
             )
         return events
 
     def _grow(self, kind: str, text: str) -> list[Event]:
         events: list[Event] = []
-        if self._open is None or self._open["type"] != kind:
+        if self._open is None or self._open.type != kind:
             events += self._close()
             if kind == "message":
-                events += self._add(
-                    {
-                        "type": "message",
-                        "id": item_id("msg"),
-                        "status": "in_progress",
-                        "role": "assistant",
-                        "content": [],
-                    }
-                )
+                events += self._add(MessageItem(id=item_id("msg")))
             else:  # reasoning; function_call items are added by their start
                 events += self._add(
-                    {
-                        "type": "reasoning",
-                        "id": item_id("rs"),
-                        "summary": [],
-                        "content": [{"type": "reasoning_text", "text": ""}],
-                    }
+                    ReasoningItem(id=item_id("rs"), content=[ReasoningText(text="")])
                 )
         item = self._open
         assert item is not None
-        if kind in ("message", "reasoning"):  # both grow their one text part
-            item["content"][0]["text"] += text
+        if isinstance(item, (MessageItem, ReasoningItem)):  # both grow their one text part
+            item.content[0].text += text
             name = "output_text" if kind == "message" else "reasoning_text"
             event = {"type": f"response.{name}.delta", **self._where(), "content_index": 0}
             event["delta"] = text
@@ -119,7 +111,7 @@ class OutputBuilder:
                 event["logprobs"] = []
             events.append(event)
         else:
-            item["arguments"] += text
+            item.arguments += text
             events.append(
                 {"type": "response.function_call_arguments.delta", **self._where(), "delta": text}
             )
@@ -131,14 +123,14 @@ class OutputBuilder:
             return []
         where = self._where()
         events: list[Event] = []
-        if item["type"] == "message":
-            part = item["content"][0]
+        if isinstance(item, MessageItem):
+            part = item.content[0]
             events.append(
                 {
                     "type": "response.output_text.done",
                     **where,
                     "content_index": 0,
-                    "text": part["text"],
+                    "text": part.text,
                     "logprobs": [],
                 }
             )
@@ -147,11 +139,11 @@ class OutputBuilder:
                     "type": "response.content_part.done",
                     **where,
                     "content_index": 0,
-                    "part": copy.deepcopy(part),
+                    "part": part.model_dump(),
                 }
             )
-        elif item["type"] == "reasoning":
-            text = item["content"][0]["text"]
+        elif isinstance(item, ReasoningItem):
+            text = item.content[0].text
             events.append(
                 {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}
             )
@@ -160,16 +152,16 @@ class OutputBuilder:
                 {
                     "type": "response.function_call_arguments.done",
                     **where,
-                    "arguments": item["arguments"],
+                    "arguments": item.arguments,
                 }
             )
-        if "status" in item:
-            item["status"] = "completed"
+        if not isinstance(item, ReasoningItem):  # which has no status
+            item.status = "completed"
         events.append(
             {
                 "type": "response.output_item.done",
                 "output_index": where["output_index"],
-                "item": copy.deepcopy(item),
+                "item": item.model_dump(),
             }
         )
         self._open = None

@@ -1,10 +1,11 @@
-"""OpenAI Responses API request body (pydantic), with OpenAI's parameter ranges."""
+"""OpenAI Responses API bodies (pydantic): the request, with OpenAI's parameter ranges, and the
+response object with its output items, as openai-python's `Response` types shape them."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from server.openai.protocol import Int, Text, _Request
 
@@ -72,3 +73,119 @@ class ResponsesRequest(_Request):
     def text_format(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None else None
         return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+# --------------------------------------------------------------------------- responses
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class MessageItem(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus = "in_progress"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning; it has no status, as in OpenAI's."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = Annotated[MessageItem | ReasoningItem | FunctionCallItem, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int  # input tokens served from the prefix cache, not computed
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """The response object: the request's settings echoed as OpenAI echoes them (as the client
+    sent them, extra keys and all), then the status, output and usage once it has run."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, Any]
+    store: bool
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_p: float
+    truncation: Literal["disabled", "auto"]
+    usage: ResponseUsage | None = None
+    user: str | None
+    metadata: dict[str, str]
+
+
+class InputItemList(BaseModel):
+    """`GET /v1/responses/{id}/input_items`: the request's input items as stored, one page."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool = False
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

@@ -23,7 +23,17 @@ from server.openai.chat.serving import PreparedChat, prepare_chat
 from server.openai.parsers import reasoning_parser_for
 from server.openai.responses.inputs import chat_request, input_messages, item_id
 from server.openai.responses.output import Event, OutputBuilder
-from server.openai.responses.protocol import ResponsesRequest
+from server.openai.responses.protocol import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputItemList,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
 from server.openai.responses.store import NoResponseStore, ResponseStore, StoredResponse
 from server.state import ServerState
 
@@ -68,7 +78,7 @@ async def create_response(
     builder.feed(shaper.feed(c.text) + shaper.finish(ended_by_itself(c)))
     builder.close()
     await run.finish(final, builder)
-    return JSONResponse(response)
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 # Chat parameters as the Responses fields they came from, for the errors a client reads.
@@ -101,39 +111,33 @@ async def _prepare(
                 conversation = conversation[1:]
 
 
-def _skeleton(req: ResponsesRequest, model: str, response_id: str) -> dict[str, Any]:
+def _skeleton(req: ResponsesRequest, model: str, response_id: str) -> ResponseObject:
     """The response object before any output: the request's settings, echoed as OpenAI does."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "in_progress",
-        "error": None,
-        "incomplete_details": None,
-        "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
-        "model": model,
-        "output": [],
-        "parallel_tool_calls": req.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning.model_dump()
+    return ResponseObject(
+        id=response_id,
+        created_at=int(time.time()),
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        model=model,
+        parallel_tool_calls=req.parallel_tool_calls,
+        previous_response_id=req.previous_response_id,
+        reasoning=req.reasoning.model_dump()
         if req.reasoning
         else {"effort": None, "summary": None},
-        "store": req.store,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": req.text_format()},
-        "tool_choice": "auto"
+        store=req.store,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text={"format": req.text_format()},
+        tool_choice="auto"
         if req.tool_choice is None
         else (
             req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
         ),
-        "tools": req.tools or [],
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": req.truncation,
-        "usage": None,
-        "user": req.user,
-        "metadata": req.metadata or {},
-    }
+        tools=req.tools or [],
+        top_p=1.0 if req.top_p is None else req.top_p,
+        truncation=req.truncation,
+        user=req.user,
+        metadata=req.metadata or {},
+    )
 
 
 class _Run:
@@ -145,7 +149,7 @@ class _Run:
         store: ResponseStore,
         req: ResponsesRequest,
         prepared: PreparedChat,
-        response: dict[str, Any],
+        response: ResponseObject,
         conversation: list[dict[str, Any]],
         stored_items: list[dict[str, Any]],
     ) -> None:
@@ -161,8 +165,8 @@ class _Run:
         return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
     async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[str, None]:
-        yield self._sse({"type": "response.created", "response": dict(self.response)})
-        yield self._sse({"type": "response.in_progress", "response": dict(self.response)})
+        yield self._sse({"type": "response.created", "response": self._response()})
+        yield self._sse({"type": "response.in_progress", "response": self._response()})
         builder = OutputBuilder()
         shaper = self.prepared.shaper()
         try:
@@ -190,51 +194,55 @@ class _Run:
                     "param": error.param,
                 }
             )
-            self.response.update(
-                status="failed",
-                error={"code": error.code or "server_error", "message": error.message},
-                output=builder.output,  # what was streamed before the failure
+            self.response.status = "failed"
+            self.response.error = ResponseError(
+                code=error.code or "server_error", message=error.message
             )
-            yield self._sse({"type": "response.failed", "response": self.response})
+            self.response.output = builder.output  # what was streamed before the failure
+            yield self._sse({"type": "response.failed", "response": self._response()})
             return
-        kind = "completed" if self.response["status"] == "completed" else "incomplete"
-        yield self._sse({"type": f"response.{kind}", "response": self.response})
+        kind = "completed" if self.response.status == "completed" else "incomplete"
+        yield self._sse({"type": f"response.{kind}", "response": self._response()})
+
+    def _response(self) -> dict[str, Any]:
+        """The response object as it stands, for an event."""
+        return self.response.model_dump(mode="json")
 
     async def finish(self, final: RequestOutput, builder: OutputBuilder) -> None:
         """Status, output and usage of the finished response; then it is stored."""
         c = final.outputs[0]
         response = self.response
-        response["output"] = builder.output
+        response.output = builder.output
         if c.finish_reason == "length":
-            response["status"] = "incomplete"
-            response["incomplete_details"] = {"reason": "max_output_tokens"}
+            response.status = "incomplete"
+            response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         else:
-            response["status"] = "completed"
-        response["usage"] = self._usage(final)
+            response.status = "completed"
+        response.usage = self._usage(final)
         if not self.req.store or isinstance(self.store, NoResponseStore):
             return
         calls = [
             {
-                "id": i["call_id"],
+                "id": i.call_id,
                 "type": "function",
-                "function": {"name": i["name"], "arguments": i["arguments"]},
+                "function": {"name": i.name, "arguments": i.arguments},
             }
             for i in builder.output
-            if i["type"] == "function_call"
+            if isinstance(i, FunctionCallItem)
         ]
         reply: dict[str, Any] = {"role": "assistant", "content": builder.text or None}
         if calls:
             reply["tool_calls"] = calls
         stored = StoredResponse(
-            id=response["id"],
+            id=response.id,
             created_at=time.time(),
-            response=response,
+            response=response.model_dump(mode="json"),
             input_items=self.stored_items,
             messages=self.conversation + [reply],
         )
         await asyncio.to_thread(self.store.put, stored)
 
-    def _usage(self, final: RequestOutput) -> dict[str, Any]:
+    def _usage(self, final: RequestOutput) -> ResponseUsage:
         tokens = final.outputs[0].token_ids
         reasoning = 0
         name = self.prepared.reasoning_parser
@@ -243,13 +251,13 @@ class _Run:
             if end in tokens:
                 reasoning = tokens.index(end) + 1
         prompt = len(final.prompt_token_ids)
-        return {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-            "output_tokens": len(tokens),
-            "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": prompt + len(tokens),
-        }
+        return ResponseUsage(
+            input_tokens=prompt,
+            input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
+            output_tokens=len(tokens),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+            total_tokens=prompt + len(tokens),
+        )
 
 
 async def retrieve(store: ResponseStore, response_id: str) -> StoredResponse:
@@ -259,12 +267,10 @@ async def retrieve(store: ResponseStore, response_id: str) -> StoredResponse:
     return stored
 
 
-def input_items_page(stored: StoredResponse) -> dict[str, Any]:
+def input_items_page(stored: StoredResponse) -> InputItemList:
     items = stored.input_items
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": False,
-    }
+    return InputItemList(
+        data=items,
+        first_id=items[0]["id"] if items else None,
+        last_id=items[-1]["id"] if items else None,
+    )
