@@ -4,20 +4,25 @@ its text or arguments grow by deltas, then it is done."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from server.openai.chat.protocol import Delta
 from server.openai.responses.inputs import item_id
 from server.openai.responses.protocol import (
+    ContentPartEvent,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
     FunctionCallItem,
     MessageItem,
     OutputItem,
+    OutputItemEvent,
     OutputText,
+    OutputTextDelta,
+    OutputTextDone,
     ReasoningItem,
     ReasoningText,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    ResponseEvent,
 )
-
-Event = dict[str, Any]
 
 
 class OutputBuilder:
@@ -28,8 +33,8 @@ class OutputBuilder:
         self.output: list[OutputItem] = []
         self._open: OutputItem | None = None  # the item still growing
 
-    def feed(self, deltas: list[Delta]) -> list[Event]:
-        events: list[Event] = []
+    def feed(self, deltas: list[Delta]) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
         for delta in deltas:
             if delta.reasoning_content:
                 events += self._grow("reasoning", delta.reasoning_content)
@@ -49,7 +54,7 @@ class OutputBuilder:
                 events += self._grow("function_call", call.function.arguments)
         return events
 
-    def close(self) -> list[Event]:
+    def close(self) -> list[ResponseEvent]:
         return self._close()
 
     @property
@@ -63,35 +68,38 @@ class OutputBuilder:
 
     # ------------------------------------------------------------------ items
 
-    def _where(self) -> dict[str, Any]:
+    def _where(self) -> tuple[str, int]:
+        """The open item's id and place in the output."""
         assert self._open is not None
-        return {"item_id": self._open.id, "output_index": len(self.output) - 1}
+        return self._open.id, len(self.output) - 1
 
-    def _add(self, item: OutputItem) -> list[Event]:
+    def _add(self, item: OutputItem) -> list[ResponseEvent]:
         self.output.append(item)
         self._open = item
-        events = [
-            {
-                "type": "response.output_item.added",
-                "output_index": len(self.output) - 1,
-                "item": item.model_dump(),
-            }
+        events: list[ResponseEvent] = [
+            OutputItemEvent(
+                type="response.output_item.added",
+                output_index=len(self.output) - 1,
+                item=item.model_copy(deep=True),
+            )
         ]
         if isinstance(item, MessageItem):
             part = OutputText(text="")
             item.content.append(part)
+            open_id, index = self._where()
             events.append(
-                {
-                    "type": "response.content_part.added",
-                    **self._where(),
-                    "content_index": 0,
-                    "part": part.model_dump(),
-                }
+                ContentPartEvent(
+                    type="response.content_part.added",
+                    item_id=open_id,
+                    output_index=index,
+                    content_index=0,
+                    part=part.model_copy(deep=True),
+                )
             )
         return events
 
-    def _grow(self, kind: str, text: str) -> list[Event]:
-        events: list[Event] = []
+    def _grow(self, kind: str, text: str) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
         if self._open is None or self._open.type != kind:
             events += self._close()
             if kind == "message":
@@ -102,67 +110,64 @@ class OutputBuilder:
                 )
         item = self._open
         assert item is not None
-        if isinstance(item, (MessageItem, ReasoningItem)):  # both grow their one text part
+        open_id, index = self._where()
+        if isinstance(item, MessageItem):
             item.content[0].text += text
-            name = "output_text" if kind == "message" else "reasoning_text"
-            event = {"type": f"response.{name}.delta", **self._where(), "content_index": 0}
-            event["delta"] = text
-            if kind == "message":
-                event["logprobs"] = []
-            events.append(event)
+            events.append(
+                OutputTextDelta(item_id=open_id, output_index=index, content_index=0, delta=text)
+            )
+        elif isinstance(item, ReasoningItem):
+            item.content[0].text += text
+            events.append(
+                ReasoningTextDelta(item_id=open_id, output_index=index, content_index=0, delta=text)
+            )
         else:
             item.arguments += text
             events.append(
-                {"type": "response.function_call_arguments.delta", **self._where(), "delta": text}
+                FunctionCallArgumentsDelta(item_id=open_id, output_index=index, delta=text)
             )
         return events
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[ResponseEvent]:
         item = self._open
         if item is None:
             return []
-        where = self._where()
-        events: list[Event] = []
+        open_id, index = self._where()
+        events: list[ResponseEvent] = []
         if isinstance(item, MessageItem):
             part = item.content[0]
             events.append(
-                {
-                    "type": "response.output_text.done",
-                    **where,
-                    "content_index": 0,
-                    "text": part.text,
-                    "logprobs": [],
-                }
+                OutputTextDone(item_id=open_id, output_index=index, content_index=0, text=part.text)
             )
             events.append(
-                {
-                    "type": "response.content_part.done",
-                    **where,
-                    "content_index": 0,
-                    "part": part.model_dump(),
-                }
+                ContentPartEvent(
+                    type="response.content_part.done",
+                    item_id=open_id,
+                    output_index=index,
+                    content_index=0,
+                    part=part.model_copy(deep=True),
+                )
             )
         elif isinstance(item, ReasoningItem):
-            text = item.content[0].text
             events.append(
-                {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}
+                ReasoningTextDone(
+                    item_id=open_id, output_index=index, content_index=0, text=item.content[0].text
+                )
             )
         else:
             events.append(
-                {
-                    "type": "response.function_call_arguments.done",
-                    **where,
-                    "arguments": item.arguments,
-                }
+                FunctionCallArgumentsDone(
+                    item_id=open_id, output_index=index, arguments=item.arguments
+                )
             )
         if not isinstance(item, ReasoningItem):  # which has no status
             item.status = "completed"
         events.append(
-            {
-                "type": "response.output_item.done",
-                "output_index": where["output_index"],
-                "item": item.model_dump(),
-            }
+            OutputItemEvent(
+                type="response.output_item.done",
+                output_index=index,
+                item=item.model_copy(deep=True),
+            )
         )
         self._open = None
         return events

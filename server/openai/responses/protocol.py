@@ -189,3 +189,106 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
+
+
+# --------------------------------------------------------------------------- stream events
+# Each event's `sequence_number` is its place in the stream, set as it is sent; it comes last,
+# after the event's own fields, as OpenAI sends it.
+
+
+class ResponseEvent(BaseModel):
+    """What every stream event is: `type` names it and is its SSE event name."""
+
+    type: str
+
+
+class ResponseStateEvent(ResponseEvent):
+    type: Literal[
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ]
+    response: ResponseObject
+    sequence_number: int = 0
+
+
+class ErrorEvent(ResponseEvent):
+    type: Literal["error"] = "error"
+    code: str | None
+    message: str
+    param: str | None
+    sequence_number: int = 0
+
+
+class OutputItemEvent(ResponseEvent):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+    sequence_number: int = 0
+
+
+class ContentPartEvent(ResponseEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+    sequence_number: int = 0
+
+
+class OutputTextDelta(ResponseEvent):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+    sequence_number: int = 0
+
+
+class OutputTextDone(ResponseEvent):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+    sequence_number: int = 0
+
+
+class ReasoningTextDelta(ResponseEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    sequence_number: int = 0
+
+
+class ReasoningTextDone(ResponseEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    sequence_number: int = 0
+
+
+class FunctionCallArgumentsDelta(ResponseEvent):
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta"
+    )
+    item_id: str
+    output_index: int
+    delta: str
+    sequence_number: int = 0
+
+
+class FunctionCallArgumentsDone(ResponseEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    item_id: str
+    output_index: int
+    arguments: str
+    sequence_number: int = 0

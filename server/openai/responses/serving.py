@@ -22,16 +22,19 @@ from server.openai.chat.output import ended_by_itself
 from server.openai.chat.serving import PreparedChat, prepare_chat
 from server.openai.parsers import reasoning_parser_for
 from server.openai.responses.inputs import chat_request, input_messages, item_id
-from server.openai.responses.output import Event, OutputBuilder
+from server.openai.responses.output import OutputBuilder
 from server.openai.responses.protocol import (
+    ErrorEvent,
     FunctionCallItem,
     IncompleteDetails,
     InputItemList,
     InputTokensDetails,
     OutputTokensDetails,
     ResponseError,
+    ResponseEvent,
     ResponseObject,
     ResponsesRequest,
+    ResponseStateEvent,
     ResponseUsage,
 )
 from server.openai.responses.store import NoResponseStore, ResponseStore, StoredResponse
@@ -159,14 +162,15 @@ class _Run:
         self.stored_items = stored_items
         self.sequence = 0
 
-    def _sse(self, event: Event) -> str:
-        event = {**event, "sequence_number": self.sequence}
+    def _sse(self, event: ResponseEvent) -> str:
+        body = event.model_dump(mode="json")
+        body["sequence_number"] = self.sequence
         self.sequence += 1
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+        return f"event: {event.type}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[str, None]:
-        yield self._sse({"type": "response.created", "response": self._response()})
-        yield self._sse({"type": "response.in_progress", "response": self._response()})
+        yield self._sse(ResponseStateEvent(type="response.created", response=self.response))
+        yield self._sse(ResponseStateEvent(type="response.in_progress", response=self.response))
         builder = OutputBuilder()
         shaper = self.prepared.shaper()
         try:
@@ -186,27 +190,21 @@ class _Run:
             await self.finish(final, builder)
         except Exception as exc:  # noqa: BLE001 - the client gets an error event, then a failed response
             error = as_api_error(exc)
-            yield self._sse(
-                {
-                    "type": "error",
-                    "code": error.code,
-                    "message": error.message,
-                    "param": error.param,
-                }
-            )
+            yield self._sse(ErrorEvent(code=error.code, message=error.message, param=error.param))
             self.response.status = "failed"
             self.response.error = ResponseError(
                 code=error.code or "server_error", message=error.message
             )
             self.response.output = builder.output  # what was streamed before the failure
-            yield self._sse({"type": "response.failed", "response": self._response()})
+            yield self._sse(ResponseStateEvent(type="response.failed", response=self.response))
             return
-        kind = "completed" if self.response.status == "completed" else "incomplete"
-        yield self._sse({"type": f"response.{kind}", "response": self._response()})
-
-    def _response(self) -> dict[str, Any]:
-        """The response object as it stands, for an event."""
-        return self.response.model_dump(mode="json")
+        done = ResponseStateEvent(
+            type="response.completed"
+            if self.response.status == "completed"
+            else "response.incomplete",
+            response=self.response,
+        )
+        yield self._sse(done)
 
     async def finish(self, final: RequestOutput, builder: OutputBuilder) -> None:
         """Status, output and usage of the finished response; then it is stored."""
