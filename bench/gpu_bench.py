@@ -41,7 +41,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(
     0, str(REPO)
-)  # run as a script: `bench.*` and `tests.models` come from this checkout
+)  # run as a script: `bench.*` and `tests.support.models` come from this checkout
 
 from bench.gpu_bench_models import SPECS  # noqa: E402
 

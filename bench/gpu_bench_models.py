@@ -17,13 +17,13 @@ import torch
 
 from engine.loading.model_spec import kv_bytes_per_block
 from engine.models.registry import describe
-from tests.models import tokenizer_dir
+from tests.support.models import tokenizer_dir
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     label: str
-    tokenizer: str  # a name of tests.models.TOKENIZERS
+    tokenizer: str  # a name of tests.support.models.TOKENIZERS
     # transformers' static-batch generate: the largest batch that safely fits an 80 GB GPU, set by
     # KV bytes per token (Qwen3 shape 112 KiB, Llama shape 32 KiB: 64 x 2048 tokens is 14 GiB for
     # the one, 128 x 2048 is 8 GiB for the other, with room for the padded prefill's activations).

@@ -8,7 +8,7 @@
 #          (bench/fetch_gpu_wheels.sh, run where the registry is), and flash-attn 4 from
 #          bench/wheels-part1/ + -part2/ when those came along, into a folder on PYTHONPATH: the
 #          machine's own site-packages stay untouched. Always runs.
-#   tests  the GPU tests and the Triton kernel tests (tests/test_gpu.py: every backend against
+#   tests  the GPU tests and the Triton kernel tests (tests/gpu/test_gpu.py: every backend against
 #          the torch reference, float32 tokens equal to transformers', bfloat16 logprobs as close
 #          to float32 as transformers' bfloat16, CUDA graphs against eager, sampling on the device);
 #          GPU_CHECK_PYTEST_K, when set, is passed as pytest's -k expression.
@@ -37,7 +37,7 @@ TESTS_S=${GPU_CHECK_TESTS_S:-240}
 BENCH_S=${GPU_CHECK_BENCH_S:-420}
 SERVE_S=${GPU_CHECK_SERVE_S:-240}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
-GPU_TESTS=(tests/test_gpu.py tests/test_triton_kernels.py)
+GPU_TESTS=(tests/gpu/test_gpu.py tests/kernels/attention/test_triton_kernels.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.

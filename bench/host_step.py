@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams
-from tests.models import build_random_model
+from tests.support.models import build_random_model
 
 PROMPT_LEN = 32
 

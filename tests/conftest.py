@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import engine.loading.resolve
-from tests.models import build_random_model
+from tests.support.models import build_random_model
 
 
 # The oracle of the token-exact tests is transformers in float32, so the suite runs in float32
@@ -71,7 +71,7 @@ SERVED_NAMES = ["SmolLM2-135M-Instruct", "smol"]
 @pytest.fixture(scope="session")
 def default_engine(default_model_dir: Path):
     """One engine thread on the default model, shared by the server fixtures below."""
-    from tests.server_harness import start_engine
+    from tests.support.server_harness import start_engine
 
     engine = start_engine(model=str(default_model_dir), **SERVER_SETTINGS)
     yield engine
@@ -92,7 +92,7 @@ def server(default_engine, engine_metrics, tmp_path_factory):
     """The default model served over real HTTP on 127.0.0.1, no API key; stored responses in a
     SQLite file of the session's own."""
     from config import ServerConfig
-    from tests.server_harness import RunningServer
+    from tests.support.server_harness import RunningServer
 
     store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     config = ServerConfig(served_model_name=SERVED_NAMES, responses_store=f"sqlite://{store}")
@@ -105,7 +105,7 @@ def server(default_engine, engine_metrics, tmp_path_factory):
 def keyed_server(default_engine, engine_metrics, tmp_path_factory):
     """The same engine behind a second app that requires an API key, with one CORS origin."""
     from config import ServerConfig
-    from tests.server_harness import RunningServer
+    from tests.support.server_harness import RunningServer
 
     store = tmp_path_factory.mktemp("keyed-responses") / "responses.sqlite3"
     config = ServerConfig(
@@ -134,8 +134,8 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """One real redis-server for the session (tests/redis_server.py); its redis:// URL."""
-    from tests.redis_server import running_redis
+    """One real redis-server for the session (tests/support/redis_server.py); its redis:// URL."""
+    from tests.support.redis_server import running_redis
 
     with running_redis(tmp_path_factory.mktemp("redis")) as url:
         yield url

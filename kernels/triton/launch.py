@@ -1,7 +1,7 @@
 """One launch of a Triton kernel as data: its grid, runtime arguments, constexprs and options.
 
 Each kernel's launch code builds one of these from its tensors and runs it; the compile test
-(tests/test_triton_compile.py) builds the same description from meta tensors and compiles it
+(tests/kernels/attention/test_triton_compile.py) builds the same description from meta tensors and compiles it
 for real GPU targets. The tile choice and the argument list then live in one place, so what
 the test compiles is what a GPU would run.
 """

@@ -1,0 +1,228 @@
+"""The server on its worst day, over real HTTP on 127.0.0.1 with the default model: 500
+concurrent streams each get exactly the offline engine's greedy tokens (no chunk lost or
+repeated) while /health keeps answering within a second; 200 clients that vanish at random
+points leave nothing behind; a KV pool far too small for the load preempts many times and
+still gives every request the tokens a large pool gives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from config import ServerConfig
+from engine import LLM, SamplingParams
+from server.app import attach_metrics
+from tests.conftest import SERVER_SETTINGS
+from tests.support.server_harness import (
+    MODEL,
+    RunningServer,
+    scrape,
+    start_engine,
+    value,
+    wait_until,
+    wait_until_idle,
+)
+
+STREAM_TOKENS = 6
+
+
+def prompts(count: int, salt: str) -> list[str]:
+    return [f"{salt} {i}: the number {i} in words is" for i in range(count)]
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    tokens: list[str] = field(
+        default_factory=list
+    )  # one entry per token, as the chunks carried them
+    finish_reasons: list[str] = field(default_factory=list)
+    done: bool = False
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamResult:
+    result = StreamResult()
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                result.done = True
+                continue
+            assert not result.done, "an event after [DONE]"
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                result.text += choice["text"]
+                result.tokens += choice["logprobs"]["tokens"]
+                if choice["finish_reason"] is not None:
+                    result.finish_reasons.append(choice["finish_reason"])
+    return result
+
+
+class HealthProbe:
+    """Polls /health from its own thread and client, as a kubelet would, recording latencies."""
+
+    def __init__(self, url: str, period: float = 0.2) -> None:
+        self.url = url
+        self.period = period
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.wait(self.period):
+                start = time.monotonic()
+                self.statuses.append(client.get(self.url + "/health").status_code)
+                self.latencies.append(time.monotonic() - start)
+
+
+def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(
+    server: RunningServer, default_model_dir: Path
+) -> None:
+    texts = prompts(500, "Line")
+    offline = LLM(str(default_model_dir), **SERVER_SETTINGS)
+    expected = offline.generate(texts, SamplingParams(temperature=0, max_tokens=STREAM_TOKENS))
+    tokenizer = offline.tokenizer
+    del offline
+
+    async def main() -> list[StreamResult]:
+        limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+            bodies = [
+                {"prompt": p, "max_tokens": STREAM_TOKENS, "temperature": 0, "logprobs": 0}
+                for p in texts
+            ]
+            return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
+
+    with HealthProbe(server.url) as probe:
+        results = asyncio.run(main())
+    for want, got in zip(expected, results):
+        sample = want.outputs[0]
+        assert got.done
+        assert got.text == sample.text
+        assert got.tokens == [
+            tokenizer.decode([t]) for t in sample.token_ids
+        ]  # every token once, in order
+        assert got.finish_reasons == [sample.finish_reason]
+    assert len(probe.latencies) >= 5 and set(probe.statuses) == {200}
+    assert max(probe.latencies) < 1.0, sorted(probe.latencies)[-5:]
+    state = wait_until_idle(server.engine)
+    assert state.free_blocks == state.num_blocks
+
+
+def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
+    """200 clients leave at random points: before the first byte, mid-stream, or waiting for a
+    non-streaming answer. Afterwards the engine and the metrics' gauges are back at zero."""
+    rng = random.Random(7)
+    body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def leave_mid_stream(client: httpx.AsyncClient, i: int, after_events: int) -> None:
+        payload = {**body, "prompt": f"Storm {i}:", "stream": True}
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events >= after_events:
+                    return  # closing the stream drops the connection
+
+    async def leave_waiting(client: httpx.AsyncClient, i: int, after: float) -> None:
+        payload = {**body, "messages": [{"role": "user", "content": f"Storm {i}"}]}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(
+                "/v1/chat/completions", json=payload, timeout=httpx.Timeout(60, read=after)
+            )
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        if i % 2:
+            await leave_mid_stream(client, i, rng.randint(0, 12))
+        else:
+            await leave_waiting(client, i, rng.uniform(0.05, 3.0))
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=250)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    asyncio.run(main())
+    state = wait_until_idle(server.engine)
+    assert (state.running, state.waiting, state.requests) == (0, 0, 0)
+    assert state.free_blocks == state.num_blocks
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    wait_until(  # the gauges are published after the engine's next iteration
+        lambda: [value(scrape(server.url), name) for name in gauges],
+        10,
+        until=lambda values: values == [0, 0, 0],
+        interval=0.1,
+        what="the running, waiting and KV usage gauges to be 0",
+    )
+    after = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        timeout=60,
+    )
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+
+
+def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
+    default_model_dir: Path,
+) -> None:
+    """24 blocks of 16 tokens for 24 concurrent requests that each need up to 5 blocks."""
+    texts = prompts(24, "Entry")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = LLM(str(default_model_dir), **SERVER_SETTINGS).generate(texts, params)
+    engine = start_engine(
+        model=str(default_model_dir),
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_seqs=16,
+        max_model_len=128,
+    )
+    config = ServerConfig(served_model_name=[MODEL])
+    running = RunningServer(engine, config, attach_metrics(engine, config))
+    try:
+
+        async def main() -> list[StreamResult]:
+            async with httpx.AsyncClient(base_url=running.url, timeout=600) as client:
+                bodies = [
+                    {
+                        "prompt": p,
+                        "max_tokens": 48,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "logprobs": 0,
+                    }
+                    for p in texts
+                ]
+                return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
+
+        results = asyncio.run(main())
+        for want, got in zip(expected, results):
+            assert got.done and got.finish_reasons == ["length"]
+            assert got.text == want.outputs[0].text
+        assert value(scrape(running.url), "num_preemptions_total") >= 10
+        state = wait_until_idle(engine)
+        assert state.free_blocks == state.num_blocks
+    finally:
+        running.stop()
+        engine.shutdown()
