@@ -62,8 +62,9 @@ lint: install-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# --durations: the slowest tests, named at the end of every run, so that a slow one is seen.
 test: install-dev lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: install-dev
 	$(BIN)/python bench/offline_throughput.py
