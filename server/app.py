@@ -7,8 +7,9 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -164,8 +165,15 @@ def create_app(
         return ResponseObject.model_validate((await retrieve(store, response_id)).response)
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(response_id: str) -> InputItemList:
-        return input_items_page(await retrieve(store, response_id))
+    async def get_input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> InputItemList:
+        stored = await retrieve(store, response_id)
+        return input_items_page(stored, limit, order, after, before)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> DeletedResponse:

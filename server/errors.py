@@ -184,7 +184,11 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
     if whole is not None:
         return whole
     # Union members add their type names to the location; keep the field path only.
-    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    # The location's first part says where (body, query, path): the param is the field alone.
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
+    path = [str(p) for p in loc if not _is_union_tag(p)]
     param = ".".join(path) or None
     given = first.get("input")
     shown = (

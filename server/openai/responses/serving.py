@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -265,10 +265,29 @@ async def retrieve(store: ResponseStore, response_id: str) -> StoredResponse:
     return stored
 
 
-def input_items_page(stored: StoredResponse) -> InputItemList:
-    items = stored.input_items
+def input_items_page(
+    stored: StoredResponse,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    before: str | None = None,
+) -> InputItemList:
+    """One page of the request's input items, as OpenAI pages them: in `order` (newest first
+    by default), the `limit` items just after the item `after` (or just before `before`);
+    `has_more` when items remain beyond the page in that direction."""
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    for cursor, param in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise invalid(f"no input item {cursor!r} in response {stored.id!r}", param)
+    start = ids.index(after) + 1 if after is not None else 0
+    stop = ids.index(before) if before is not None else len(items)
+    window = items[start:stop]
+    # Before a cursor the page is the items nearest it; otherwise, the first ones.
+    page = window[-limit:] if before is not None and after is None else window[:limit]
     return InputItemList(
-        data=items,
-        first_id=items[0]["id"] if items else None,
-        last_id=items[-1]["id"] if items else None,
+        data=page,
+        first_id=page[0]["id"] if page else None,
+        last_id=page[-1]["id"] if page else None,
+        has_more=len(window) > len(page),
     )

@@ -223,6 +223,63 @@ def test_stored_responses_continue_retrieve_list_and_delete(client: openai.OpenA
         client.responses.retrieve(first.id)
 
 
+def test_input_items_are_paged_as_openai_pages_them(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    said = ["one", "two", "three", "four", "five"]
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": s} for i, s in enumerate(said)
+    ]
+    created = client.responses.create(model=MODEL, input=turns, max_output_tokens=1)  # type: ignore[arg-type]
+
+    def text(item: dict[str, Any]) -> str:
+        return item["content"][0]["text"]
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+
+        def page(**query: Any) -> dict[str, Any]:
+            response = http.get(f"/v1/responses/{created.id}/input_items", params=query)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        newest = page()  # newest first, 20 at most
+        assert [text(i) for i in newest["data"]] == said[::-1] and not newest["has_more"]
+        ids = [i["id"] for i in newest["data"]]
+        assert (newest["first_id"], newest["last_id"]) == (ids[0], ids[-1])
+        first = page(limit=2)
+        assert [text(i) for i in first["data"]] == ["five", "four"] and first["has_more"]
+        assert first["last_id"] == ids[1]
+        second = page(limit=2, after=first["last_id"])
+        assert [text(i) for i in second["data"]] == ["three", "two"] and second["has_more"]
+        last = page(limit=2, after=second["last_id"])
+        assert [text(i) for i in last["data"]] == ["one"] and not last["has_more"]
+        oldest = page(order="asc", limit=3)
+        assert [text(i) for i in oldest["data"]] == said[:3] and oldest["has_more"]
+        # Before a cursor: the items nearest it, in the same order.
+        near = page(order="asc", limit=2, before=ids[0])
+        assert [text(i) for i in near["data"]] == ["three", "four"] and near["has_more"]
+        between = page(order="asc", after=ids[4], before=ids[0])
+        assert [text(i) for i in between["data"]] == ["two", "three", "four"]
+        assert not between["has_more"]
+
+        for query, param in [
+            ({"limit": 0}, "limit"),
+            ({"limit": 101}, "limit"),
+            ({"limit": "abc"}, "limit"),
+            ({"order": "sideways"}, "order"),
+            ({"after": "msg_unknown"}, "after"),
+            ({"before": "msg_unknown"}, "before"),
+        ]:
+            response = http.get(f"/v1/responses/{created.id}/input_items", params=query)
+            assert response.status_code == 400, (query, response.text)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+    # The SDK's auto-pagination follows has_more and last_id through every page.
+    listed = list(client.responses.input_items.list(created.id, limit=2))
+    assert [i.content[0].text for i in listed] == said[::-1]  # type: ignore[union-attr]
+
+
 BAD = [
     ({"input": [{"type": "image_generation_call"}]}, "input.0.type"),
     (
