@@ -6,6 +6,8 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from pydantic import BaseModel
+
 from config import ServerConfig
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.client import EngineRequest
@@ -99,6 +101,44 @@ def resolve_max_tokens(
             code=CONTEXT_LENGTH_EXCEEDED,  # OpenAI's code: clients (and truncation) look for it
         )
     return wanted
+
+
+def _lone_surrogate(value: Any, where: str) -> tuple[str, int] | None:
+    """The first string under `value` (keys included) that UTF-8 cannot carry: where it is
+    and the position of its lone surrogate; None when every string is text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return where, exc.start
+        return None
+    if isinstance(value, dict):
+        children = [(k, v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        children = list(enumerate(value))
+    else:
+        return None
+    for key, child in children:
+        name = f"{where}.{key}" if where else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, "") is not None:
+            return where or name, 0  # a key that is no text: the field that holds it
+        found = _lone_surrogate(child, name)
+        if found is not None:
+            return found
+    return None
+
+
+def check_unicode(req: BaseModel) -> None:
+    """A 400 naming the first field (ids, names, metadata, items, schemas: any string the request
+    carries) that holds a lone surrogate, which JSON's \\ud800 escapes can deliver: no tokenizer
+    takes one, no UTF-8 response or store can carry it."""
+    found = _lone_surrogate(req.model_dump(by_alias=True, exclude_unset=True), "")
+    if found is not None:
+        where, position = found
+        raise invalid(
+            f"{where} must be valid Unicode text, not a lone surrogate at position {position}",
+            where.encode("utf-8", "backslashreplace").decode(),
+        )
 
 
 def engine_params(

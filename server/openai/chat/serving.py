@@ -28,7 +28,13 @@ from server.openai.chat.protocol import (
     Delta,
 )
 from server.openai.chat.tool_choice import ToolPlan, plan_tools
-from server.openai.inputs import chat_messages, engine_params, render_chat, submit
+from server.openai.inputs import (
+    chat_messages,
+    check_unicode,
+    engine_params,
+    render_chat,
+    submit,
+)
 from server.openai.logprobs import chat_logprobs
 from server.openai.parsers import reasoning_parser_for
 from server.openai.protocol import ChatLogprobs, Usage
@@ -91,6 +97,7 @@ async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, request: Request
 ) -> ChatCompletion | StreamingResponse:
     model = state.resolve_model(req.model)
+    check_unicode(req)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = await prepare_chat(state, req, response_id)
     prompt_ids, params = prepared.prompt_ids, prepared.params

@@ -19,7 +19,7 @@ from engine.processing.tokenization import decode, encode
 from server.errors import invalid
 from server.http.streaming import event_stream, merge, sse, until_disconnected
 from server.openai.completions.protocol import Completion, CompletionChoice, CompletionRequest
-from server.openai.inputs import engine_params, submit
+from server.openai.inputs import check_unicode, engine_params, submit
 from server.openai.logprobs import add_completion_logprobs
 from server.openai.protocol import CompletionLogprobs, Usage
 from server.openai.usage import RunningUsage
@@ -83,6 +83,7 @@ async def create_completion(
     state: ServerState, req: CompletionRequest, request: Request
 ) -> Completion | StreamingResponse:
     model = state.resolve_model(req.model)
+    check_unicode(req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await _prepare(state, req, response_id)
     created = int(time.time())

@@ -56,7 +56,8 @@ def input_messages(
         where = f"input.{i}"
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role", ""))
+            given = item.get("role", "")
+            role = ROLES.get(given) if isinstance(given, str) else None  # a list is no key
             if role is None:
                 raise invalid(f"unknown role {item.get('role')!r}", f"{where}.role")
             content = item.get("content")

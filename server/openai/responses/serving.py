@@ -20,6 +20,7 @@ from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, as_api_error, inval
 from server.http.streaming import last_output, until_disconnected
 from server.openai.chat.output import ended_by_itself
 from server.openai.chat.serving import PreparedChat, prepare_chat
+from server.openai.inputs import check_unicode
 from server.openai.parsers import reasoning_parser_for
 from server.openai.responses.inputs import chat_request, input_messages, item_id
 from server.openai.responses.output import OutputBuilder
@@ -49,6 +50,7 @@ async def create_response(
     state: ServerState, store: ResponseStore, req: ResponsesRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
     model = state.resolve_model(req.model)
+    check_unicode(req)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         if isinstance(store, NoResponseStore):

@@ -36,6 +36,8 @@ TIMEOUT = 60.0  # seconds; no row may take longer (a hang fails instead of block
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+CHAT_HI = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
 JSON_TYPE = {"content-type": "application/json"}
 
 # --------------------------------------------------------------------------- the table
@@ -296,6 +298,58 @@ ENCODING = [
         ANY,
     ),
     Row("nul-characters", completion(prompt="Hel\u0000lo\u0000"), 200, None),
+    # Strings nothing tokenizes, reported by where they are: ids, names, items a store keeps.
+    bad("lone-surrogate-user-chat", raw(CHAT_HI[:-1] + ', "user": "\\ud800"}'), "user", CHAT),
+    bad("lone-surrogate-user", raw('{"prompt": "Hello", "user": "\\udfff"}'), "user"),
+    bad(
+        "lone-surrogate-tool-name",
+        raw(CHAT_HI[:-1] + ', "tools": [{"type": "function", "function": {"name": "f\\ud800"}}]}'),
+        "tools.0.function.name",
+        CHAT,
+    ),
+    bad(
+        "lone-surrogate-metadata-key",
+        raw(CHAT_HI[:-1] + ', "metadata": {"\\ud800": "x"}}'),
+        "metadata",
+        CHAT,
+    ),
+    bad(
+        "lone-surrogate-previous-response-id",
+        raw('{"input": "Hi", "previous_response_id": "resp_\\ud800"}'),
+        "previous_response_id",
+        RESPONSES,
+        words=("surrogate",),
+    ),
+    bad(
+        "lone-surrogate-responses-user",
+        raw('{"input": "Hi", "user": "\\ud800"}'),
+        "user",
+        RESPONSES,
+    ),
+    bad(
+        "lone-surrogate-input-item-id",
+        raw('{"input": [{"role": "user", "content": "Hi", "id": "msg_\\ud800"}]}'),
+        "input.0.id",
+        RESPONSES,
+    ),
+    bad(
+        "lone-surrogate-instructions",
+        raw('{"input": "Hi", "instructions": "\\udc00"}'),
+        "instructions",
+        RESPONSES,
+    ),
+    bad(
+        "role-a-list",
+        raw('{"input": [{"role": ["user"], "content": "Hi"}]}'),
+        "input.0.role",
+        RESPONSES,
+    ),
+    bad(
+        "role-an-object",
+        raw('{"input": [{"role": {"user": 1}, "content": "Hi"}]}'),
+        "input.0.role",
+        RESPONSES,
+    ),
 ]
 
 TOO_DEEP = (*NOT_JSON, "nested too deeply")
