@@ -23,6 +23,7 @@ from server.errors import APIError, engine_dead, install_error_handlers
 from server.http.admission import GeneratingRoute, shutting_down
 from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
+from server.http.streaming import ClientDisconnected, client_gone
 from server.metrics.collector import EngineMetrics
 from server.metrics.names import MetricNames
 from server.openai.chat.protocol import ChatCompletion, ChatCompletionRequest
@@ -106,6 +107,7 @@ def create_app(
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, client_gone)
     # Each middleware added wraps the ones before it: CORS, body limit, then the key; the
     # generating routes' admission runs after them all (see GeneratingRoute).
     if config.api_key:

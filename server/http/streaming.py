@@ -10,23 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import TypeVar, cast
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from server.errors import as_api_error
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
-    pass
+    """The client of a whole (non-streamed) answer left before it was ready."""
+
+
+# Nginx's "client closed request": nobody reads it, but the access log shows what happened.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    """A client that leaves is no server error: its request is already aborted, so one line at
+    info, not the traceback of an unhandled exception."""
+    log.info("%s %s: the client left before its answer; aborted", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 def sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:

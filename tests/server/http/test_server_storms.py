@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import threading
 import time
@@ -182,6 +183,25 @@ def test_disconnect_storm_leaves_nothing_behind(server: RunningServer) -> None:
         timeout=60,
     )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_leaves_a_whole_answer_is_logged_as_no_error(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    payload = {"prompt": "Leaving", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=payload, timeout=httpx.Timeout(60, read=1))
+    state = wait_until_idle(server.engine)
+    assert state.free_blocks == state.num_blocks
+    wait_until(
+        lambda: [
+            r.getMessage() for r in caplog.records if "left before its answer" in r.getMessage()
+        ],
+        10,
+        what="the server to notice that the client left",
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
