@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from config import EngineConfig
 from engine.client import EngineRequest
@@ -28,8 +29,11 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import CheckedRequest, LLMEngine
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
+from engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
+
+STOP_POLL_SECONDS = 0.1  # how soon a request waiting on a grammar compile sees a shutdown
 
 
 @dataclass
@@ -146,10 +150,24 @@ class AsyncEngine:
         self.info.validate(request.prompt_token_ids, params)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = await asyncio.to_thread(
-                self.engine.grammars.compile, params.structured_outputs
-            )
+            grammar = await self._compile(params.structured_outputs)
         return self._stream(request, CheckedRequest(grammar))
+
+    async def _compile(self, structured: StructuredOutputsParams) -> Any:
+        """The grammar compiled on a worker thread. A shutdown does not wait for it (a schema
+        can compile for minutes): the request fails as the engine's are failed, and the thread's
+        result, when it comes, goes nowhere."""
+        compiling = asyncio.ensure_future(
+            asyncio.to_thread(self.engine.grammars.compile, structured)
+        )
+        try:
+            while not compiling.done():
+                await asyncio.wait({compiling}, timeout=STOP_POLL_SECONDS)
+                if self._stopping.is_set() and not compiling.done():
+                    raise EngineDeadError("the engine has shut down")
+            return compiling.result()
+        finally:
+            compiling.cancel()
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a no-op for one that finished or is unknown); its stream ends with a

@@ -4,6 +4,8 @@ stop it as `server.lifecycle` describes and return the process's exit status."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 import uvicorn
@@ -50,10 +52,15 @@ def serve(config: ServeConfig) -> int:
     if not server.started:
         log.error("the HTTP server did not start")
         return 1
-    left = [
-        t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
-    ]
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if left:
-        log.warning("threads still running at exit: %s", left)
+        log.warning("threads still running at exit: %s", [t.name for t in left])
     log.info("stopped (exit status %d)", server.exit_code)
+    if any(not t.daemon for t in left):
+        # The interpreter would join them at exit, however long they run (a grammar compile
+        # abandoned by the drain): the drain's promise is to exit within its timeout.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return server.exit_code

@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import FrameType
 
@@ -31,6 +32,16 @@ log = logging.getLogger(__name__)
 
 ENGINE_POLL_SECONDS = 0.1
 FLUSH_SECONDS = 10.0  # for responses still being sent once their requests have ended
+
+
+class AbandoningExecutor(ThreadPoolExecutor):
+    """The event loop's default executor (asyncio.to_thread: grammar compiles, store calls).
+    When the loop closes, work not started is cancelled and work still running is abandoned:
+    asyncio.run would otherwise wait for it with no timeout (a grammar can compile for
+    minutes), and a drain must end within --shutdown-timeout."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,6 +93,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_default_executor(AbandoningExecutor(thread_name_prefix="pagedserve-io"))
         supervisor = asyncio.create_task(self._supervise())
         try:
             await super().serve(sockets)

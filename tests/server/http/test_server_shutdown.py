@@ -7,12 +7,55 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 from tests.support.server_harness import Daemon, Stream, start_daemon, stop, wait_for_status
+
+
+def test_sigterm_during_a_grammar_compile_exits_within_the_timeout(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """A schema of 3,000 optional properties compiles for minutes on its worker thread: the
+    drain answers its request 503 at --shutdown-timeout, abandons the thread and exits 0."""
+    daemon = start_daemon(tmp_path, ["--shutdown-timeout", "2"])
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    body = {
+        "messages": [{"role": "user", "content": "Fill it in"}],
+        "max_tokens": 8,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "big", "schema": schema},
+        },
+    }
+    answered: list[int] = []
+
+    def send() -> None:
+        try:
+            answered.append(
+                httpx.post(daemon.url + "/v1/chat/completions", json=body, timeout=120).status_code
+            )
+        except httpx.HTTPError:
+            answered.append(0)  # the connection closed by the exiting server
+
+    sender = threading.Thread(target=send, daemon=True)
+    try:
+        sender.start()
+        time.sleep(3)  # well into the compile (the vocabulary read takes well under a second)
+        assert not answered, "the schema compiled too fast to test an abandoned compile"
+        signalled = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0
+        assert time.monotonic() - signalled < 2 + 5  # the timeout, then less than uvicorn's grace
+        sender.join(30)
+        assert answered == [503]  # failed as the engine's requests are, not left to hang
+    finally:
+        stop(daemon)
+    log = daemon.log.read_text()
+    assert "stopped (exit status 0)" in log and "Traceback" not in log
 
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
