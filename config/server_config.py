@@ -38,6 +38,12 @@ class ServerConfig(_Strict):
         ge=0,
         description="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
+    engine_step_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="seconds one engine step may run before the engine counts as stuck: /health "
+        "turns 503 and, after --shutdown-timeout more, the process exits 1 to be restarted",
+    )
     max_waiting_requests: int | None = Field(
         None,
         ge=0,

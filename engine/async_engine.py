@@ -87,6 +87,8 @@ class AsyncEngine:
         self._accepting = True  # False once the thread has taken its last look at the inbox
         # Called on the engine thread after every iteration, idle ones included (metrics).
         self.on_stats: Callable[[EngineStats], None] | None = None
+        # When the step now running began (time.monotonic()); None between steps.
+        self.step_started: float | None = None
         self.thread = thread
         self._go = (
             threading.Event()
@@ -197,6 +199,18 @@ class AsyncEngine:
             if not finished:
                 self.abort(request.request_id)
 
+    def stuck_step(self, timeout: float) -> str | None:
+        """Why the engine counts as stuck: its step has run past `timeout` seconds (with the
+        shape of the batch it runs); None while it is not."""
+        started = self.step_started
+        if started is None or time.monotonic() - started <= timeout:
+            return None
+        shape = self.engine.step_shape
+        return (
+            f"the engine step has run for {time.monotonic() - started:.0f} s (limit {timeout:g} s, "
+            f"--engine-step-timeout): {shape[0]} sequences, {shape[1]} tokens"
+        )
+
     def dead_reason(self) -> str:
         if self.error is not None:
             return f"the engine failed: {type(self.error).__name__}: {self.error}"
@@ -211,7 +225,9 @@ class AsyncEngine:
                 self.engine.check_health()
                 outputs = []
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
+                    self.step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self.step_started = None
                 # Metrics first: a client that has its answer finds it counted at /metrics.
                 if self.on_stats is not None:
                     self.on_stats(self.engine.take_stats())

@@ -106,6 +106,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
 
     # ----------------------------------------------------------------- requests in
 
@@ -209,6 +210,7 @@ class LLMEngine:
         if not out.scheduled:
             return []
         self._record_scheduled(out)
+        self.step_shape = (len(out.scheduled), out.num_tokens)
         batch = build_step_batch(out, self.block_size)
         logits = self.executor.execute(batch.host)
         self._record_prompt_logprobs(out, batch.logits_rows, logits)

@@ -195,6 +195,9 @@ def create_app(
     async def health() -> Response:
         if not engine.is_alive:
             return unavailable().response()
+        stuck = engine.stuck_step(config.engine_step_timeout)
+        if stuck is not None:
+            return APIError(503, stuck, type="service_unavailable", code="engine_stuck").response()
         if state.gate.draining:  # so that load balancers stop sending requests here
             return shutting_down().response()
         return Response(status_code=200)

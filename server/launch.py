@@ -45,6 +45,7 @@ def serve(config: ServeConfig) -> int:
             engine,
             app.state.server.gate,
             settings.shutdown_timeout,
+            settings.engine_step_timeout,
         )
         server.run()
     finally:

@@ -46,12 +46,18 @@ class AbandoningExecutor(ThreadPoolExecutor):
 
 class DrainingServer(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, engine: EngineClient, gate: Gate, shutdown_timeout: float
+        self,
+        config: uvicorn.Config,
+        engine: EngineClient,
+        gate: Gate,
+        shutdown_timeout: float,
+        step_timeout: float = float("inf"),
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.gate = gate
         self.shutdown_timeout = shutdown_timeout
+        self.step_timeout = step_timeout  # a step running longer counts as stuck
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_requested = asyncio.Event()
@@ -106,6 +112,10 @@ class DrainingServer(uvicorn.Server):
         try:
             while not drain.done() and self.engine.error is None:
                 await asyncio.wait({drain}, timeout=ENGINE_POLL_SECONDS)
+                if await self._stuck_for_good():
+                    self.exit_code = 1
+                    self.should_exit = True
+                    return
         finally:
             drain.cancel()
         if self.engine.error is not None:
@@ -120,6 +130,27 @@ class DrainingServer(uvicorn.Server):
             if self.engine.error is not None:  # it failed while draining
                 self.exit_code = 1
         self.should_exit = True
+
+    async def _stuck_for_good(self) -> bool:
+        """Whether the engine's step has run past --engine-step-timeout and then for a grace of
+        --shutdown-timeout more (/health says 503 meanwhile): a kernel that never returns cannot
+        be stopped from here, so the process exits for its supervisor to restart it."""
+        stuck = self.engine.stuck_step(self.step_timeout)
+        if stuck is None:
+            return False
+        log.error(
+            "%s; exiting with status 1 in %.0f s unless it ends", stuck, self.shutdown_timeout
+        )
+        self.gate.draining = True
+        deadline = asyncio.get_running_loop().time() + self.shutdown_timeout
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(ENGINE_POLL_SECONDS)
+            if self.engine.stuck_step(self.step_timeout) is None:
+                log.warning("the engine step has ended after all; serving again")
+                self.gate.draining = self._drain_requested.is_set()
+                return False
+        log.error("the engine is still stuck: %s", self.engine.stuck_step(self.step_timeout))
+        return True
 
     async def _drain(self) -> None:
         self.gate.draining = True

@@ -209,3 +209,31 @@ def test_engine_failure_mid_response_stream_ends_it_failed(tmp_path: Path, qwen3
         assert daemon.wait(30) == 1
     finally:
         stop(daemon)
+
+
+def test_a_stuck_engine_step_turns_health_503_then_exits_1(tmp_path: Path, qwen3_dir: Path) -> None:
+    """A step that never returns (an injected hang): past --engine-step-timeout /health says
+    why with a 503, and after --shutdown-timeout more the process exits 1 to be restarted."""
+    daemon = start_daemon(
+        tmp_path,
+        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"]
+        + ["--engine-step-timeout", "2", "--shutdown-timeout", "3"],
+        module="tests.support.faulty_serve",
+        env={"PAGEDSERVE_TEST_FAULT": "hang"},
+    )
+    try:
+        assert httpx.get(daemon.url + "/health", timeout=10).status_code == 200
+        stuck = Stream(daemon.url, LONG_COMPLETION).start()
+        started = time.monotonic()
+        health = wait_for_status(daemon.url + "/health", 503)
+        assert time.monotonic() - started >= 2
+        error = health.json()["error"]
+        assert error["code"] == "engine_stuck" and "--engine-step-timeout" in error["message"]
+        assert daemon.wait(60) == 1
+        assert time.monotonic() - started < 2 + 3 + 30  # the limits, then shutting down
+        stuck.join(10)
+    finally:
+        stop(daemon)
+    log = daemon.log.read_text()
+    assert "the engine step has run for" in log and "1 sequences" in log
+    assert "stopped (exit status 1)" in log
