@@ -7,6 +7,7 @@ from config.engine_config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from config.server_config import ServeConfig, ServerConfig
 
@@ -19,4 +20,5 @@ __all__ = [
     "SchedulerConfig",
     "ServeConfig",
     "ServerConfig",
+    "StructuredOutputsConfig",
 ]

@@ -140,11 +140,32 @@ class ParallelConfig(_Strict):
     )
 
 
+class StructuredOutputsConfig(_Strict):
+    """Bounds on what one request's output constraint may cost to compile: a schema or grammar
+    past them is a 400 before any compile starts, and a compile past the timeout is abandoned."""
+
+    grammar_compile_timeout: float = Field(
+        10.0, gt=0, description="seconds a constraint may take to compile (waiting included)"
+    )
+    max_grammar_bytes: int = Field(
+        1_048_576, ge=1, description="largest constraint source: schema, regex, grammar, choices"
+    )
+    max_schema_depth: int = Field(64, ge=1, description="deepest nesting of a JSON schema")
+    max_schema_properties: int = Field(
+        1000, ge=1, description="most properties a JSON schema declares, all objects together"
+    )
+    max_grammar_rules: int = Field(2000, ge=1, description="most rules in an EBNF grammar")
+    grammar_cache_mib: int = Field(
+        256, ge=0, description="memory the compiled grammars kept for reuse may take"
+    )
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    structured: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -176,6 +197,7 @@ ENGINE_SECTIONS: dict[str, type[BaseModel]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "structured": StructuredOutputsConfig,
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from config import EngineConfig
 from engine.client import EngineRequest
+from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import CheckedRequest, LLMEngine
@@ -34,6 +35,7 @@ from engine.structured import StructuredOutputsParams
 log = logging.getLogger(__name__)
 
 STOP_POLL_SECONDS = 0.1  # how soon a request waiting on a grammar compile sees a shutdown
+COMPILE_THREADS = 2  # grammar compiles at once; more wait their turn, within their timeout
 
 
 @dataclass
@@ -89,6 +91,9 @@ class AsyncEngine:
         self.on_stats: Callable[[EngineStats], None] | None = None
         # When the step now running began (time.monotonic()); None between steps.
         self.step_started: float | None = None
+        # Grammar compiles, off the event loop and the engine thread; daemon threads, so that
+        # an abandoned compile never holds the process up (concurrent.futures' are joined).
+        self._compiles = DaemonThreadPool(COMPILE_THREADS, "pagedserve-grammar")
         self.thread = thread
         self._go = (
             threading.Event()
@@ -140,6 +145,7 @@ class AsyncEngine:
         self._go.set()  # a thread never started runs its loop, sees the stop flag and closes
         if self.thread.is_alive():
             self.thread.join(timeout)
+        self._compiles.shutdown()
         self.engine.close()
 
     # ----------------------------------------------------------------- asyncio side
@@ -156,20 +162,30 @@ class AsyncEngine:
         return self._stream(request, CheckedRequest(grammar))
 
     async def _compile(self, structured: StructuredOutputsParams) -> Any:
-        """The grammar compiled on a worker thread. A shutdown does not wait for it (a schema
-        can compile for minutes): the request fails as the engine's are failed, and the thread's
-        result, when it comes, goes nowhere."""
-        compiling = asyncio.ensure_future(
-            asyncio.to_thread(self.engine.grammars.compile, structured)
+        """The grammar compiled on one of a few threads of its own (a compile holds a core; the
+        rest wait their turn), within --grammar-compile-timeout, waiting included. A compile past
+        it, or one a shutdown overtakes, is abandoned: its request fails at once, and the
+        thread's result, when it comes, goes only to the cache."""
+        timeout = self.engine.config.structured.grammar_compile_timeout
+        compiling = asyncio.get_running_loop().run_in_executor(
+            self._compiles, self.engine.grammars.compile, structured
         )
+        deadline = time.monotonic() + timeout
         try:
             while not compiling.done():
-                await asyncio.wait({compiling}, timeout=STOP_POLL_SECONDS)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise InvalidRequestError(
+                        f"the constraint did not compile within {timeout:g} s "
+                        "(--grammar-compile-timeout)",
+                        "structured_outputs",
+                    )
+                await asyncio.wait({compiling}, timeout=min(left, STOP_POLL_SECONDS))
                 if self._stopping.is_set() and not compiling.done():
                     raise EngineDeadError("the engine has shut down")
             return compiling.result()
         finally:
-            compiling.cancel()
+            compiling.cancel()  # a compile still queued never starts
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a no-op for one that finished or is unknown); its stream ends with a

@@ -65,6 +65,7 @@ class LLMEngine:
             partial(load_tokenizer, spec.tokenizer_path),
             spec.vocab_size,
             self.tokenizer.eos_token_id,
+            config.structured,
         )
         multi_rank = spec.tensor_parallel_size > 1
         executor = TensorParallelExecutor if multi_rank else LocalExecutor

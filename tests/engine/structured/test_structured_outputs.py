@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
+from config import StructuredOutputsConfig
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.structured import StructuredOutputsParams
+from engine.structured import GrammarCompiler, StructuredOutputsParams
 
 # Every value is bounded, so a complete object always fits in the token budget below: a random
 # model cannot run a string or a number past max_tokens.
@@ -178,6 +182,71 @@ def test_compiled_grammars_are_cached_by_source(llm: LLM) -> None:
     again = grammars.compile(StructuredOutputsParams.json_schema(json.dumps(SCHEMA)))
     assert again is first
     assert grammars.compile(StructuredOutputsParams(regex="a+")) is not first
+
+
+def nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def optional_properties(count: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(count)}}
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        (lambda: StructuredOutputsParams.json_schema(nested_arrays(900)), "--max-schema-depth"),
+        (
+            lambda: StructuredOutputsParams.json_schema(optional_properties(5000)),
+            "--max-schema-properties",
+        ),
+        (
+            lambda: StructuredOutputsParams(
+                grammar="root ::= r0\n"
+                + "".join(f'r{i} ::= "x" r{i + 1}\n' for i in range(20_000))
+                + 'r20000 ::= "y"'
+            ),
+            "--max-grammar-rules",
+        ),
+        (lambda: StructuredOutputsParams(regex="a" * (2**20 + 1)), "--max-grammar-bytes"),
+    ],
+)
+def test_compile_bombs_are_refused_by_their_size_before_compiling(
+    llm: LLM, constraint, words: str
+) -> None:
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.grammars.compile(constraint())
+    assert err.value.param == "structured_outputs" and words in str(err.value)
+    assert time.perf_counter() - started < 1.0  # measured, not compiled
+
+
+def test_large_constraints_within_the_limits_still_compile(llm: LLM) -> None:
+    """What real clients send stays accepted: a 20,000-value enum, a 50,000-character regex."""
+    grammars = llm.engine.grammars
+    enum = {"enum": [f"value-{i}" for i in range(20_000)]}
+    grammars.compile(StructuredOutputsParams.json_schema(enum))
+    grammars.compile(StructuredOutputsParams(regex="(" + "|".join(["ab"] * 16_000) + ")"))
+    grammars.compile(StructuredOutputsParams.json_schema(nested_arrays(20)))
+
+
+def test_the_grammar_cache_is_bounded_by_memory(qwen3_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+
+    def compiler(mib: int) -> GrammarCompiler:
+        limits = StructuredOutputsConfig(grammar_cache_mib=mib)
+        return GrammarCompiler(lambda: tokenizer, len(tokenizer), tokenizer.eos_token_id, limits)
+
+    params = StructuredOutputsParams.json_schema(SCHEMA)
+    kept = compiler(256)
+    assert kept.compile(params) is kept.compile(params)
+    assert kept._cached_bytes > 0
+    none_kept = compiler(0)  # every grammar outweighs a cache of 0 bytes
+    assert none_kept.compile(params) is not none_kept.compile(params)
+    assert none_kept._cached_bytes == 0 and not none_kept._cache
 
 
 def test_the_cpu_mask_equals_xgrammars_apply() -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,8 +18,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from config import ServerConfig
 from tests.support.readme import run_example, section_examples
-from tests.support.server_harness import RunningServer
+from tests.support.server_harness import RunningServer, start_engine
 
 MODEL = "SmolLM2-135M-Instruct"
 PERSON = {
@@ -187,3 +191,53 @@ def test_readme_structured_examples_run(server: RunningServer) -> None:
     assert city.startswith("name=") and "country=" in city
     name, arguments = call.split(" ", 1)
     assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+
+
+def test_compile_bombs_are_400s_within_the_deadline_while_health_stays_fast(
+    default_model_dir: Path,
+) -> None:
+    """A schema past the size limits is refused before compiling; one within them that compiles
+    for longer than --grammar-compile-timeout is abandoned at the deadline. Either way a 400
+    naming the field, /health answering at once meanwhile, and the server still serving."""
+    engine = start_engine(
+        model=str(default_model_dir),
+        num_kv_blocks=64,
+        max_model_len=256,
+        grammar_compile_timeout=0.5,
+    )
+    running = RunningServer(engine, ServerConfig())
+    engine.engine.grammars._xgrammar()  # the vocabulary read, which the deadline would count
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(999)}}
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(900):
+        deep = {"type": "array", "items": deep}
+
+    def ask(schema: dict[str, Any]) -> httpx.Response:
+        fmt = {"type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}}
+        return httpx.post(
+            running.url + "/v1/chat/completions",
+            json={"messages": ASK, "max_tokens": 5, "response_format": fmt},
+            timeout=60,
+        )
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            started = time.perf_counter()
+            answers = [pool.submit(ask, slow), pool.submit(ask, deep)]
+            time.sleep(0.2)
+            health_started = time.perf_counter()
+            assert httpx.get(running.url + "/health", timeout=10).status_code == 200
+            assert time.perf_counter() - health_started < 0.5
+            slow_answer, deep_answer = (a.result() for a in answers)
+        assert time.perf_counter() - started < 5  # the deadline, not the compile (seconds more)
+        for answer, words in (
+            (slow_answer, "did not compile within 0.5 s"),
+            (deep_answer, "nests"),
+        ):
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == "response_format" and words in error["message"], error
+        assert ask(PERSON).status_code == 200  # a compile thread is still free
+    finally:
+        running.stop()
+        engine.shutdown()

@@ -1,0 +1,46 @@
+"""A fixed pool of daemon threads behind the `Executor` interface.
+
+concurrent.futures' threads are joined when the interpreter exits, so one busy thread holds
+the process up however long its work runs. Work here may be abandoned (a grammar compile past
+its deadline cannot be interrupted), and a process that is done must still exit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+
+class DaemonThreadPool(Executor):
+    def __init__(self, workers: int, name: str) -> None:
+        self._work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple, dict] | None]
+        self._work = queue.SimpleQueue()
+        self._workers = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking work: each thread ends after what it runs now (never waited for)."""
+        for _ in self._workers:
+            self._work.put(None)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():  # cancelled while it waited
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(exc)
