@@ -91,6 +91,17 @@ def check_limits(params: StructuredOutputsParams, limits: StructuredOutputsConfi
             )
 
 
+def _admits_output(grammar: Any, vocab_size: int) -> bool:
+    """Whether any token can begin an output under `grammar`: a grammar none can would make
+    every answer empty, silently."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
+
+
 class GrammarCompiler:
     def __init__(
         self,
@@ -159,6 +170,13 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"the {kind} constraint does not compile: {_message(exc)}", "structured_outputs"
             ) from None
+        if not _admits_output(grammar, self.vocab_size):
+            # ({"$ref": "#"} compiles to `root ::= root`; a regex like [^\\s\\S] to nothing.)
+            raise InvalidRequestError(
+                f"the {key[0].replace('_', ' ')} constraint admits no output: no token can begin "
+                "one (a $ref cycle with no base case, or a pattern nothing matches)",
+                "structured_outputs",
+            )
         log.debug("compiled a %s grammar in %.3f s", key[0], time.perf_counter() - started)
         with self._lock:
             if key not in self._cache:  # (another thread may have compiled it meanwhile)

@@ -224,6 +224,26 @@ def test_compile_bombs_are_refused_by_their_size_before_compiling(
     assert time.perf_counter() - started < 1.0  # measured, not compiled
 
 
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        r"[^\s\S]",
+    ],
+)
+def test_a_constraint_no_output_satisfies_is_refused(llm: LLM, constraint: Any) -> None:
+    """Before, each compiled and every answer was "" with finish_reason stop."""
+    params = (
+        StructuredOutputsParams(regex=constraint)
+        if isinstance(constraint, str)
+        else StructuredOutputsParams.json_schema(constraint)
+    )
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=params))
+    assert err.value.param == "structured_outputs" and "admits no output" in str(err.value)
+
+
 def test_large_constraints_within_the_limits_still_compile(llm: LLM) -> None:
     """What real clients send stays accepted: a 20,000-value enum, a 50,000-character regex."""
     grammars = llm.engine.grammars
