@@ -645,6 +645,96 @@ def test_hostile_input(http: httpx.Client, row: Row) -> None:
         assert word in error["message"], (word, error["message"])
 
 
+# Every string a route takes, in one full body per route: each is replaced in turn by odd text.
+FULL_BODIES: dict[str, dict[str, Any]] = {
+    COMPLETIONS: {
+        "prompt": ["Hello", "there"],
+        "max_tokens": 2,
+        "stop": ["\n", "END"],
+        "user": "u-1",
+        "guided_regex": "[a-z]+",
+        "metadata": {"k": "v"},
+    },
+    CHAT: {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"},
+        ],
+        "max_tokens": 2,
+        "stop": "END",
+        "user": "u-1",
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "the weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+        "tool_choice": "none",
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "p", "schema": {"type": "object", "title": "t"}},
+        },
+    },
+    RESPONSES: {
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "user", "content": "Hi", "id": "msg_1"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+        "max_output_tokens": 2,
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": "none",
+    },
+    "/tokenize": {"prompt": "Hello"},
+}
+ODD_TEXT = ["\ud800", "a\udfffb", "\x00\x01\x1f\x7f", "\u202e\ufeff\uffff"]
+
+
+def string_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(node, str):
+        yield path
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            yield from string_paths(child, (*path, key))
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from string_paths(child, (*path, i))
+
+
+def replaced(node: Any, path: tuple[Any, ...], value: str) -> Any:
+    if not path:
+        return value
+    copy = dict(node) if isinstance(node, dict) else list(node)
+    copy[path[0]] = replaced(node[path[0]], path[1:], value)
+    return copy
+
+
+@pytest.mark.parametrize("route", list(FULL_BODIES))
+def test_odd_text_in_any_string_field_is_never_a_server_error(
+    http: httpx.Client, route: str
+) -> None:
+    """Lone surrogates (sent as JSON escapes) and control characters in every string field of
+    every generating route: an answer or a 400, never a 5xx, a hang or a non-JSON error."""
+    full = FULL_BODIES[route]
+    given = http.post(route, json=full)
+    assert given.status_code == 200, given.text  # the body as given is served
+    for path in string_paths(full):
+        for odd in ODD_TEXT:
+            body = json.dumps(replaced(full, path, odd)).encode()  # ASCII: \ud800 as an escape
+            response = http.post(route, content=body, headers=JSON_TYPE)
+            where = ".".join(map(str, path))
+            assert response.status_code < 500, (where, odd, response.text[:500])
+            if response.status_code >= 400:
+                assert_openai_error(response.json())
+
+
 def test_still_serving_after_the_table(served: RunningServer, http: httpx.Client) -> None:
     response = http.post(
         COMPLETIONS, content=completion(max_tokens=4, ignore_eos=True), headers=JSON_TYPE
