@@ -155,6 +155,12 @@ class StructuredOutputsConfig(_Strict):
         1000, ge=1, description="most properties a JSON schema declares, all objects together"
     )
     max_grammar_rules: int = Field(2000, ge=1, description="most rules in an EBNF grammar")
+    json_whitespace: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="whitespace characters a JSON constraint allows between tokens (0: none)",
+    )
     grammar_cache_mib: int = Field(
         256, ge=0, description="memory the compiled grammars kept for reuse may take"
     )

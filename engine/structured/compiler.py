@@ -138,6 +138,15 @@ class GrammarCompiler:
                 log.info("grammar vocabulary read in %.2f s", time.perf_counter() - started)
             return self._compiler
 
+    def _whitespace(self) -> dict[str, Any]:
+        """Compact JSON by default: with free whitespace a small model can spend its tokens on
+        spaces and newlines. --json-whitespace N allows runs of up to N, for models that write
+        pretty-printed JSON better than compact (a bound, so that no output is only spaces)."""
+        limit = self.limits.json_whitespace
+        if limit == 0:
+            return {"any_whitespace": False}
+        return {"any_whitespace": True, "max_whitespace_cnt": limit}
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar (an `xgrammar.CompiledGrammar`), from the cache when it is there;
         InvalidRequestError for a schema, regex or grammar that does not compile."""
@@ -151,13 +160,11 @@ class GrammarCompiler:
         started = time.perf_counter()
         try:
             if params.json is not None:
-                # Compact JSON (no free whitespace): a small model may otherwise emit spaces and
-                # newlines until max_tokens runs out.
-                grammar = compiler.compile_json_schema(params.json, any_whitespace=False)
+                grammar = compiler.compile_json_schema(params.json, **self._whitespace())
             elif params.json_object:
                 # Any object (OpenAI's JSON mode), with any members: not strict.
                 grammar = compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                    '{"type": "object"}', strict_mode=False, **self._whitespace()
                 )
             elif params.regex is not None:
                 grammar = compiler.compile_regex(params.regex)

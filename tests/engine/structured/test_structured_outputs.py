@@ -269,6 +269,35 @@ def test_the_grammar_cache_is_bounded_by_memory(qwen3_dir: Path) -> None:
     assert none_kept._cached_bytes == 0 and not none_kept._cache
 
 
+def accepts(grammar: Any, tokenizer: Any, text: str) -> bool:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammar)
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_json_allows_bounded_whitespace_or_none(qwen3_dir: Path) -> None:
+    """By default a JSON constraint admits compact JSON only; with --json-whitespace 4, the
+    pretty-printed JSON too, at most 4 whitespace characters at a time."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    schema = StructuredOutputsParams.json_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}}
+    )
+
+    def grammar(whitespace: int) -> Any:
+        limits = StructuredOutputsConfig(json_whitespace=whitespace)  # 0: the default
+        compiler = GrammarCompiler(
+            lambda: tokenizer, len(tokenizer), tokenizer.eos_token_id, limits
+        )
+        return compiler.compile(schema)
+
+    pretty, compact = grammar(4), grammar(0)
+    assert accepts(pretty, tokenizer, '{\n  "a": 1\n}') and accepts(pretty, tokenizer, '{"a": 1}')
+    assert not accepts(pretty, tokenizer, "{" + " " * 12 + '"a": 1}')
+    assert accepts(compact, tokenizer, '{"a": 1}')
+    assert not accepts(compact, tokenizer, '{\n  "a": 1\n}')
+
+
 def test_the_cpu_mask_equals_xgrammars_apply() -> None:
     """The CPU path adds per-byte penalties instead of xgrammar's masked fill: same logits, for
     every row or a subset, a vocabulary that is not a multiple of 32, and bfloat16."""
