@@ -57,9 +57,10 @@ def serve(config: ServeConfig) -> int:
     if left:
         log.warning("threads still running at exit: %s", [t.name for t in left])
     log.info("stopped (exit status %d)", server.exit_code)
-    if any(not t.daemon for t in left):
-        # The interpreter would join them at exit, however long they run (a grammar compile
-        # abandoned by the drain): the drain's promise is to exit within its timeout.
+    if left:
+        # The interpreter would join a non-daemon thread at exit, however long it runs, and a
+        # daemon one stopped inside native code (an abandoned grammar compile) can abort the
+        # exit: the drain's promise is to exit within its timeout, with its status.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
