@@ -103,28 +103,31 @@ def resolve_max_tokens(
     return wanted
 
 
-def _lone_surrogate(value: Any, where: str) -> tuple[str, int] | None:
-    """The first string under `value` (keys included) that UTF-8 cannot carry: where it is
-    and the position of its lone surrogate; None when every string is text."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return where, exc.start
-        return None
-    if isinstance(value, dict):
-        children = [(k, v) for k, v in value.items()]
-    elif isinstance(value, list | tuple):
-        children = list(enumerate(value))
-    else:
-        return None
-    for key, child in children:
-        name = f"{where}.{key}" if where else str(key)
-        if isinstance(key, str) and _lone_surrogate(key, "") is not None:
-            return where or name, 0  # a key that is no text: the field that holds it
-        found = _lone_surrogate(child, name)
-        if found is not None:
-            return found
+def _lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """The first string in `value` (keys included) that UTF-8 cannot carry: its path and the
+    position of its lone surrogate; None when every string is text. Iterative: a body may nest
+    as deep as the JSON parser allows."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return where, exc.start
+            continue
+        if isinstance(node, dict):
+            children = list(node.items())
+        elif isinstance(node, list | tuple):
+            children = list(enumerate(node))
+        else:
+            continue
+        for key, child in reversed(children):  # popped in order
+            name = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and _lone_surrogate(key) is not None:
+                stack.append((key, where or name))  # a key that is no text: the field holding it
+            else:
+                stack.append((child, name))
     return None
 
 
@@ -132,7 +135,7 @@ def check_unicode(req: BaseModel) -> None:
     """A 400 naming the first field (ids, names, metadata, items, schemas: any string the request
     carries) that holds a lone surrogate, which JSON's \\ud800 escapes can deliver: no tokenizer
     takes one, no UTF-8 response or store can carry it."""
-    found = _lone_surrogate(req.model_dump(by_alias=True, exclude_unset=True), "")
+    found = _lone_surrogate(req.model_dump(by_alias=True, exclude_unset=True))
     if found is not None:
         where, position = found
         raise invalid(
