@@ -59,7 +59,8 @@ def test_sigterm_during_a_grammar_compile_exits_within_the_timeout(
 
 
 def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
-    daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "4"])
+    # 12 tokens take well under a second on an idle machine; the margin is for a loaded one.
+    daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "10"])
     try:
         short = [
             Stream(
@@ -105,7 +106,7 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_di
         assert [s.finish_reasons for s in short] == [["length"], ["length"]]
         assert [s.finish_reasons for s in long] == [["abort"], ["abort"]]
         assert all(sum(1 for e in s.events if isinstance(e, dict)) < 4000 for s in long)
-        assert elapsed >= 4
+        assert elapsed >= 10
     finally:
         stop(daemon)
     log = daemon.log.read_text()
