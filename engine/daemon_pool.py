@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
+BUSY_JOIN_SECONDS = 0.2
+
 
 class DaemonThreadPool(Executor):
     def __init__(self, workers: int, name: str) -> None:
@@ -31,9 +33,13 @@ class DaemonThreadPool(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop taking work: each thread ends after what it runs now (never waited for)."""
+        """Stop taking work: each thread ends after what it runs now. With `wait`, idle threads
+        are seen to end; one still busy is given a moment, then left to end on its own."""
         for _ in self._workers:
             self._work.put(None)
+        if wait:
+            for worker in self._workers:
+                worker.join(BUSY_JOIN_SECONDS)
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
