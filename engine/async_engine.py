@@ -242,8 +242,10 @@ class AsyncEngine:
                 outputs = []
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
                     self.step_started = time.monotonic()
-                    outputs = self.engine.step()
-                    self.step_started = None
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self.step_started = None
                 # Metrics first: a client that has its answer finds it counted at /metrics.
                 if self.on_stats is not None:
                     self.on_stats(self.engine.take_stats())
