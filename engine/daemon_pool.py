@@ -1,8 +1,9 @@
 """A fixed pool of daemon threads behind the `Executor` interface.
 
-concurrent.futures' threads are joined when the interpreter exits, so one busy thread holds
-the process up however long its work runs. Work here may be abandoned (a grammar compile past
-its deadline cannot be interrupted), and a process that is done must still exit.
+concurrent.futures' threads are joined when the interpreter exits (and asyncio.run waits for
+its default executor's, with no timeout), so one busy thread holds the process up however long
+its work runs. Work here may be abandoned (a grammar compile past its deadline cannot be
+interrupted), and a process that is done must still exit.
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ class DaemonThreadPool(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop taking work: each thread ends after what it runs now. With `wait`, idle threads
-        are seen to end; one still busy is given a moment, then left to end on its own."""
+        """Stop taking work: what still waits is cancelled, and each thread ends after what it
+        runs now. With `wait`, idle threads are seen to end; one still busy is given a moment,
+        then left to end on its own."""
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
         for _ in self._workers:
             self._work.put(None)
         if wait:

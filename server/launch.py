@@ -53,11 +53,10 @@ def serve(config: ServeConfig) -> int:
     if not server.started:
         log.error("the HTTP server did not start")
         return 1
+    log.info("stopped (exit status %d)", server.exit_code)
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if left:
         log.warning("threads still running at exit: %s", [t.name for t in left])
-    log.info("stopped (exit status %d)", server.exit_code)
-    if left:
         # The interpreter would join a non-daemon thread at exit, however long it runs, and a
         # daemon one stopped inside native code (an abandoned grammar compile) can abort the
         # exit: the drain's promise is to exit within its timeout, with its status.

@@ -19,32 +19,21 @@ import os
 import signal
 import threading
 from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
 
 from engine.client import EngineClient
+from engine.daemon_pool import DaemonThreadPool
 from server.http.admission import Gate
 
 log = logging.getLogger(__name__)
 
 ENGINE_POLL_SECONDS = 0.1
 FLUSH_SECONDS = 10.0  # for responses still being sent once their requests have ended
-IDLE_THREAD_JOIN_SECONDS = 0.2
-
-
-class AbandoningExecutor(ThreadPoolExecutor):
-    """The event loop's default executor (asyncio.to_thread: grammar compiles, store calls).
-    When the loop closes, work not started is cancelled and work still running is abandoned:
-    asyncio.run would otherwise wait for it with no timeout (a grammar can compile for
-    minutes), and a drain must end within --shutdown-timeout."""
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        super().shutdown(wait=False, cancel_futures=True)
-        for thread in list(self._threads):
-            thread.join(IDLE_THREAD_JOIN_SECONDS)  # an idle one ends at once; a busy one is left
+# As many threads as asyncio's own default executor: store calls, the drain's engine shutdown.
+IO_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 class DrainingServer(uvicorn.Server):
@@ -102,7 +91,9 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop.set_default_executor(AbandoningExecutor(thread_name_prefix="pagedserve-io"))
+        # asyncio.to_thread's threads: when the loop closes, one still busy is abandoned, not
+        # waited for with no timeout, so that a drain ends within --shutdown-timeout.
+        self._loop.set_default_executor(DaemonThreadPool(IO_THREADS, "pagedserve-io"))
         supervisor = asyncio.create_task(self._supervise())
         try:
             await super().serve(sockets)
