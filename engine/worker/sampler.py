@@ -86,7 +86,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
             probs = torch.softmax(sorted_logits, dim=-1)
             before = probs.cumsum(-1) - probs  # mass strictly above each token
             drop = before >= top_p
-            drop[0] = False
+            drop[:1] = False  # a slice: an integer index would copy the value over and wait
             sorted_logits.masked_fill_(drop, float("-inf"))
         out = torch.empty_like(out).scatter_(0, order, sorted_logits)
     return out
@@ -174,7 +174,7 @@ class Sampler:
                     torch.tensor(stop_ids(seq, row.shape[0]), dtype=torch.long), row.device
                 )
                 kept = row[ids]
-                row[ids] = float("-inf")
+                row.index_fill_(0, ids, float("-inf"))  # `row[ids] = x` waits for the copy of x
                 # A finished grammar allows only its end: the grammar wins (decided on the device).
                 row[ids] = torch.where(row.isfinite().any(), row[ids], kept)
         if params.greedy:

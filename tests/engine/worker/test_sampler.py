@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError
@@ -269,6 +271,59 @@ def test_greedy_takes_the_argmax_after_bias_and_penalties_and_reports_raw_logpro
 
 
 # ----------------------------------------------------------------- validation
+
+
+class HostWrites(TorchDispatchMode):
+    """Records the two ways a host value is written into a device tensor one element at a time:
+    `t[i] = x` (copy_ of a 0-dim tensor) and `t[ids] = x` (index_put_ of a 0-dim value), where the
+    0-dim tensor is the Python number made a host tensor (it comes through `lift_fresh`; a value
+    computed on the device comes from another op). On CUDA each is a blocking copy from host
+    memory: a synchronization per sampled row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+        self.produced: list[torch.Tensor] = []  # every tensor an op returned, by identity
+
+    def from_host(self, t: torch.Tensor) -> bool:
+        return t.dim() == 0 and all(t is not p for p in self.produced)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default and self.from_host(args[1]):
+            self.writes.append("copy_ of a host scalar")
+        if func is torch.ops.aten.index_put_.default and self.from_host(args[2]):
+            self.writes.append("index_put_ of a host scalar")
+        out = func(*args, **kwargs)
+        if func is not torch.ops.aten.lift_fresh.default:
+            self.produced += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_no_row_writes_a_host_scalar_into_the_logits() -> None:
+    """The CPU side of tests/gpu/test_gpu.py's one-synchronization check, which found these
+    writes on an H100: every filter, penalty, bias and min_tokens path, with no scalar written
+    element-wise (slices are filled, indices go through index_fill_)."""
+    seqs = []
+    for i in range(8):
+        params = SamplingParams(
+            temperature=0.8 if i % 4 else 0.0,
+            top_p=0.9 if i % 2 else 1.0,
+            top_k=5 if i % 3 == 1 else -1,
+            min_p=0.05 if i == 5 else 0.0,
+            presence_penalty=0.5 if i == 6 else 0.0,
+            repetition_penalty=1.2 if i == 7 else 1.0,
+            logit_bias={5: 3.0} if i == 3 else None,
+            min_tokens=4 if i == 2 else 0,
+            stop_token_ids=[9] if i == 2 else None,
+            seed=i,
+        )
+        seqs.append(make_sequence(params, output=[7], seed=i))
+    logits = geometric_logits().repeat(8, 1)
+    with HostWrites() as mode:
+        samples = Sampler(0)(logits, seqs)
+    assert len(samples) == 8
+    assert mode.writes == []
 
 
 @pytest.mark.parametrize(
