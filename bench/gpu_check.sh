@@ -24,8 +24,9 @@
 # killed. Every stage runs even when an earlier one failed; the script ends with one line per
 # stage and exits 1 if any failed. Without CUDA it stops at once.
 #
-# On an H100 (bench/RESULTS.md) the tests took ~200 s, the serve stage ~120 s, and the benchmark
-# more than its 420 s with transformers: all stages together take over 10 minutes. Run them
+# On an H100 (bench/RESULTS.md, second run) every stage fit one call of 491 s: tests 163 s, the
+# benchmark 271 s with transformers on both models at --max-len 512, serve 51 s on 128 requests.
+# At the defaults (--max-len 1024, 256 serve requests) the stages take over 10 minutes: run them
 # separately with GPU_CHECK_STAGES, or pass --models / --skip-transformers to the benchmark.
 set -euo pipefail
 
