@@ -19,6 +19,9 @@ from config import ServerConfig
 from config.engine_config import default_cache_dir
 from engine.client import EngineClient, EngineDeadError
 from engine.processing.tokenization import decode, encode
+from server.anthropic.errors import AnthropicErrors
+from server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest, TokenCount
+from server.anthropic.serving import count_tokens, create_message
 from server.errors import APIError, engine_dead, install_error_handlers
 from server.http.admission import GeneratingRoute, shutting_down
 from server.http.auth import APIKeyMiddleware
@@ -113,6 +116,8 @@ def create_app(
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # Around the key check and the body limit: their errors too take Anthropic's shape there.
+    app.add_middleware(AnthropicErrors)
     # Outermost: a CORS preflight is answered before the key is asked for.
     app.add_middleware(
         CORSMiddleware,
@@ -160,7 +165,18 @@ def create_app(
         require_engine()
         return await create_response(state, store, req, request)
 
+    @generating.post("/v1/messages", response_model=None)
+    async def messages(req: MessagesRequest, request: Request) -> Message | StreamingResponse:
+        log_ignored_fields(req)
+        require_engine()
+        return await create_message(state, req, request)
+
     app.include_router(generating)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> TokenCount:
+        log_ignored_fields(req)
+        return await count_tokens(state, req)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> ResponseObject:

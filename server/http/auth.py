@@ -21,12 +21,17 @@ class APIKeyMiddleware:
             and scope["path"].startswith("/v1")
             and scope["method"] != "OPTIONS"
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            # Anthropic's clients send the key as `x-api-key: KEY`.
+            if b"x-api-key" in headers and not given:
+                given = b"Bearer " + headers[b"x-api-key"]
             if not secrets.compare_digest(given, self.expected):
                 message = (
                     "Incorrect API key provided."
                     if given
-                    else "You didn't provide an API key: use 'Authorization: Bearer KEY'."
+                    else "You didn't provide an API key: use 'Authorization: Bearer KEY' "
+                    "(or 'x-api-key: KEY')."
                 )
                 error = APIError(401, message, code="invalid_api_key")
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -67,16 +67,7 @@ async def prepare_chat(
     constraint = req.constraint()
     if plan.constraint is not None:
         constraint = (plan.constraint, "tools")
-    messages = chat_messages(req.messages)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    prompt_ids = await state.off_loop(
-        render_chat,
-        state.tokenizer,
-        messages,
-        req.add_generation_prompt,
-        tools,
-        req.chat_template_kwargs,
-    )
+    prompt_ids = await render_prompt(state, req)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -91,6 +82,20 @@ async def prepare_chat(
         state, EngineRequest(request_id, prompt_ids, prompt_ids, params), constraint_param
     )
     return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)
+
+
+async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the conversation and its tools through the chat template."""
+    messages = chat_messages(req.messages)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return await state.off_loop(
+        render_chat,
+        state.tokenizer,
+        messages,
+        req.add_generation_prompt,
+        tools,
+        req.chat_template_kwargs,
+    )
 
 
 async def create_chat_completion(

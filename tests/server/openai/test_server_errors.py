@@ -756,7 +756,10 @@ def keyed_requests(model: str) -> list[tuple[str, str, JSON | None]]:
 @pytest.mark.parametrize(
     ("authorization", "message"),
     [
-        (None, "You didn't provide an API key: use 'Authorization: Bearer KEY'."),
+        (
+            None,
+            "You didn't provide an API key: use 'Authorization: Bearer KEY' (or 'x-api-key: KEY').",
+        ),
         ("Bearer sk-wrong", "Incorrect API key provided."),
         (API_KEY, "Incorrect API key provided."),  # the key without its Bearer scheme
         (f"Bearer {API_KEY}x", "Incorrect API key provided."),

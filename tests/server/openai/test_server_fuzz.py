@@ -3,8 +3,9 @@
 schemathesis generates requests from the published schema: valid ones (positive mode) and ones
 that break it (negative mode: wrong types, out-of-range numbers, missing fields, junk bodies).
 For every generated request the server must answer without a 5xx, and every 4xx body must be
-exactly OpenAI's error object `{"error": {"message", "type", "param", "code"}}`, never FastAPI's
-422 `{"detail": ...}`. Afterwards the engine holds no request and every KV block is free.
+exactly OpenAI's error object `{"error": {"message", "type", "param", "code"}}` (Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on its Messages routes), never FastAPI's 422
+`{"detail": ...}`. Afterwards the engine holds no request and every KV block is free.
 
 The engine runs a tiny random-weight Llama with a 64-token context, so that even the largest
 valid request (n=64 samples of the whole context) finishes in seconds on a CPU.
@@ -45,6 +46,8 @@ BODY_ROUTES = [
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
 ]
 # No body and no parameter that could be of a wrong type (a path segment is always a string):
 # only valid requests exist, so the negative mode has nothing to generate.
@@ -83,10 +86,16 @@ def session() -> Iterator[requests.Session]:
         yield s
 
 
+def assert_anthropic_error(body: Any) -> None:
+    assert isinstance(body, dict) and set(body) == {"type", "error"}, body
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+
+
 def openai_error_body(
     ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
 ) -> None:
-    """Every 4xx is JSON holding exactly OpenAI's error object."""
+    """Every 4xx is JSON holding exactly OpenAI's error object (Anthropic's on its routes)."""
     if not 400 <= response.status_code < 500:
         return
     content_type = (response.headers.get("content-type") or [""])[0]
@@ -99,7 +108,10 @@ def openai_error_body(
         raise AssertionError(
             f"{response.status_code} body is not JSON: {response.content[:200]!r}"
         ) from None
-    assert_openai_error(body)
+    if case is not None and case.operation.path.startswith("/v1/messages"):
+        assert_anthropic_error(body)
+    else:
+        assert_openai_error(body)
 
 
 CHECKS = [not_a_server_error, openai_error_body]
