@@ -4,6 +4,14 @@ one batched mask per step."""
 
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.schema import SchemaError, check_json_schema
 from engine.structured.state import GrammarState, apply_grammar_masks
 
-__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputsParams", "apply_grammar_masks"]
+__all__ = [
+    "GrammarCompiler",
+    "GrammarState",
+    "SchemaError",
+    "StructuredOutputsParams",
+    "apply_grammar_masks",
+    "check_json_schema",
+]

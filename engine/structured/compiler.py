@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from config import StructuredOutputsConfig
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.schema import check_json_schema
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -156,6 +157,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         check_limits(params, self.limits)
+        if params.json is not None:
+            # After the size limits, which bound this walk; before compiling, which would
+            # accept keywords the grammar then ignores.
+            check_json_schema(json.loads(params.json))
         compiler = self._xgrammar()
         started = time.perf_counter()
         try:

@@ -12,10 +12,16 @@ from config import ServerConfig
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.client import EngineRequest
 from engine.processing.tokenization import encode_chat
-from engine.structured import StructuredOutputsParams
+from engine.structured import SchemaError, StructuredOutputsParams
 from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, invalid
 from server.openai.protocol import ChatMessage, SamplingFields
 from server.state import ServerState
+
+# Where each way of giving a JSON schema holds the schema itself, for a 400 about its content.
+SCHEMA_FIELDS = {
+    "response_format": "response_format.json_schema.schema",
+    "structured_outputs": "structured_outputs.json",
+}
 
 
 def sampling_params(
@@ -174,6 +180,8 @@ async def submit(
         return await state.engine.submit(request)
     except InvalidRequestError as exc:
         if exc.param == "structured_outputs" and constraint_param:
+            if isinstance(exc, SchemaError):  # the message locates the keyword in the schema
+                constraint_param = SCHEMA_FIELDS.get(constraint_param, constraint_param)
             raise invalid(str(exc), constraint_param) from None
         raise
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.structured import StructuredOutputsParams
+from engine.structured import SchemaError, StructuredOutputsParams, check_json_schema
 from server.errors import invalid
 from server.openai.chat.protocol import ChatCompletionRequest, ChatTool
 
@@ -26,6 +26,17 @@ class ToolPlan:
 def _parameters(tool: ChatTool) -> dict[str, Any]:
     # No parameters: an empty object, as OpenAI calls such a function.
     return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _checked_parameters(tools: list[ChatTool], i: int) -> dict[str, Any]:
+    """Tool `i`'s parameters, refused with their own field named when the grammar would not
+    enforce them (the compile sees only the schema they are combined into)."""
+    schema = _parameters(tools[i])
+    try:
+        check_json_schema(schema)
+    except SchemaError as exc:
+        raise invalid(str(exc), f"tools.{i}.function.parameters") from None
+    return schema
 
 
 def _required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
@@ -69,6 +80,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
             "a forced tool call cannot be combined with a structured output", "tool_choice"
         )
     if choice == "required":
+        for i in range(len(tools)):
+            _checked_parameters(tools, i)
         schema = _required_schema(tools, req.parallel_tool_calls)
         return ToolPlan("required", constraint=StructuredOutputsParams.json_schema(schema))
     assert not isinstance(choice, str)
@@ -77,10 +90,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         raise invalid(
             f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice"
         )
-    tool = tools[names.index(name)]
-    return ToolPlan(
-        "named", function=name, constraint=StructuredOutputsParams.json_schema(_parameters(tool))
-    )
+    schema = _checked_parameters(tools, names.index(name))
+    return ToolPlan("named", function=name, constraint=StructuredOutputsParams.json_schema(schema))
 
 
 def forced_calls(plan: ToolPlan, text: str) -> list[tuple[str, str]] | None:

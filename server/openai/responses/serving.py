@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -92,7 +93,9 @@ _RESPONSES_PARAMS = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
 }
+_CHAT_TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
 
 
 async def _prepare(
@@ -108,8 +111,13 @@ async def _prepare(
             fits = exc.code != CONTEXT_LENGTH_EXCEEDED  # (prompt and output budget together)
             if req.truncation != "auto" or fits or len(conversation) == 1:
                 head = (exc.param or "").split(".")[0]
-                if head in _RESPONSES_PARAMS:
+                if exc.param in _RESPONSES_PARAMS:  # a field nested differently here
+                    exc.param = _RESPONSES_PARAMS[exc.param]
+                elif head in _RESPONSES_PARAMS:
                     exc.param = _RESPONSES_PARAMS[head]
+                elif exc.param is not None and _CHAT_TOOL_FIELD.match(exc.param):
+                    # A function tool's fields sit beside its type here, not under `function`.
+                    exc.param = _CHAT_TOOL_FIELD.sub(r"tools.\1.", exc.param)
                 raise
             conversation = conversation[1:]
             while len(conversation) > 1 and conversation[0]["role"] == "tool":

@@ -141,8 +141,24 @@ BAD = [
                 "json_schema": {"name": "x", "schema": {"type": "nope"}},
             }
         },
-        "response_format",
+        "response_format.json_schema.schema",
     ),
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "number", "multipleOf": 0.5}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "completions",
+        {"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        "guided_json",
+    ),
+    ("completions", {"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json"),
     (
         "chat",
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -178,6 +194,27 @@ def test_bad_constraints_are_openai_400s(
         assert "/project/" not in error["message"]
         # Still serving.
         assert http.post(path, json={**body, **dict.fromkeys(fields)}).status_code == 200
+
+
+def test_a_keyword_the_grammar_would_not_enforce_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    """Before, `not` compiled, was ignored, and 13 could come back as the age."""
+    age = {"type": "integer", "minimum": 0, "maximum": 120, "not": {"const": 13}}
+    schema = {**PERSON, "properties": {**PERSON["properties"], "age": age}}
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, max_tokens=5)
+    assert info.value.status_code == 400
+    error: Any = info.value.body
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "response_format.json_schema.schema"
+    assert error["message"] == (
+        "the JSON schema uses not, which is not enforced here (at #/properties/age/not)"
+    )
+    del age["not"]  # the rest of the schema is served
+    out = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=fmt, max_tokens=60, temperature=0
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
 
 
 def test_readme_structured_examples_run(server: RunningServer) -> None:

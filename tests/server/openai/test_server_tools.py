@@ -156,6 +156,13 @@ CALL: Any = {
     "type": "function",
     "function": {"name": "get_time", "arguments": "{}"},
 }
+UNENFORCED_TIME: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {**TIME, "dependentRequired": {"timezone": ["city"]}},
+    },
+}
 BAD = [
     ({"tool_choice": "auto"}, "tool_choice"),  # auto needs --tool-call-parser
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -185,6 +192,18 @@ BAD = [
         "messages.1.tool_calls.0.function",
     ),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    # A forced call's parameters that the grammar would not enforce, named by the tool.
+    (
+        {"tools": [TOOLS[0], UNENFORCED_TIME], "tool_choice": "required"},
+        "tools.1.function.parameters",
+    ),
+    (
+        {
+            "tools": [TOOLS[0], UNENFORCED_TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+        "tools.1.function.parameters",
+    ),
 ]
 
 

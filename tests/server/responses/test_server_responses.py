@@ -298,7 +298,20 @@ BAD = [
     ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     (
         {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
-        "text.format",
+        "text.format.schema",
+    ),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
+        "text.format.schema",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "function", "name": "f", "parameters": {"type": "object", "if": {}}}
+            ],
+            "tool_choice": "required",
+        },
+        "tools.0.parameters",
     ),
     ({"max_output_tokens": 9000}, "max_output_tokens"),
     ({"metadata": {str(i): "x" for i in range(17)}}, "metadata"),
