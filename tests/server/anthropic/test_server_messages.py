@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.readme import run_example, section_examples
 from tests.support.server_harness import RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -352,3 +353,13 @@ def test_x_api_key_is_the_key(keyed_server: RunningServer) -> None:
     ):
         wrong.messages.count_tokens(**body)
     assert refused.value.body["error"]["type"] == "authentication_error"
+
+
+def test_readme_messages_examples_run(server: RunningServer) -> None:
+    """The curl and `anthropic` SDK examples of the README's Messages section, as written."""
+    curl, snippet = section_examples("Anthropic Messages API")
+    reply = json.loads(run_example(server.url, "bash", curl))
+    assert reply["type"] == "message" and reply["content"][0]["text"].strip()
+    name, rest = run_example(server.url, "python", snippet).split(maxsplit=1)
+    city, reason = rest.rsplit(maxsplit=1)
+    assert (name, reason) == ("get_weather", "tool_use") and city.strip()
