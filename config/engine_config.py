@@ -124,6 +124,11 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(
         None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)"
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests in arrival order; priority: by each request's priority "
+        "(lower first, then arrival), a running sequence of the lowest priority preempted first",
+    )
 
 
 class ParallelConfig(_Strict):

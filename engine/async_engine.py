@@ -156,6 +156,7 @@ class AsyncEngine:
         thread (a large schema can take a second) so the engine thread finds it compiled."""
         params = request.params
         self.info.validate(request.prompt_token_ids, params)
+        self.info.check_priority(request.priority)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile(params.structured_outputs)
@@ -302,6 +303,7 @@ class AsyncEngine:
                 arrival_time=item.arrival_time,
                 prompt_token_ids=request.prompt_token_ids,
                 checked=item.checked,
+                priority=request.priority,
             )
         except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)

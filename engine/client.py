@@ -29,6 +29,7 @@ class EngineRequest:
     prompt: str | list[int]  # as the client gave it: text, or token ids
     prompt_token_ids: list[int]  # the prompt tokenized by the caller (with its chat template)
     params: SamplingParams
+    priority: int = 0  # lower is served earlier (--scheduling-policy priority)
 
 
 class EngineClient(Protocol):

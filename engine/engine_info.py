@@ -23,6 +23,16 @@ class EngineInfo:
     max_num_seqs: int
     block_size: int  # tokens per KV block
     num_kv_blocks: int  # the KV pool's size
+    scheduling_policy: str = "fcfs"
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 means nothing to a first-come server, so it is
+        refused there rather than silently ignored."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs a server started with --scheduling-policy priority",
+                "priority",
+            )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything that would make the request fail inside a step is rejected here. Reads

@@ -45,8 +45,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. All prompts are validated before any runs."""
+        """One output per prompt, in order. All prompts are validated before any runs.
+        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -62,12 +64,17 @@ class LLM:
         )
         if len(params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(priorities)} priorities")
         token_ids = [self.engine.tokenize(prompt) for prompt in batch]
         # Every prompt checked before any is queued: one bad prompt fails the call, not a step.
-        checked = [self.engine.check(ids, p) for ids, p in zip(token_ids, params)]
+        checked = [
+            self.engine.check(ids, p, rank) for ids, p, rank in zip(token_ids, params, priorities)
+        ]
         request_ids = [
-            self.engine.add_request(prompt, p, prompt_token_ids=t, checked=c)
-            for prompt, p, t, c in zip(batch, params, token_ids, checked)
+            self.engine.add_request(prompt, p, prompt_token_ids=t, checked=c, priority=rank)
+            for prompt, p, t, c, rank in zip(batch, params, token_ids, checked, priorities)
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

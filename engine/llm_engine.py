@@ -95,6 +95,7 @@ class LLMEngine:
             max_num_seqs=config.scheduler.max_num_seqs,
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
+            scheduling_policy=config.scheduler.scheduling_policy,
         )
         windows = spec.info.sliding_windows
         # Blocks can be freed behind the windows only when every layer has one.
@@ -116,10 +117,13 @@ class LLMEngine:
             return encode(self.tokenizer, prompt)
         return list(prompt)
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> CheckedRequest:
+    def check(
+        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> CheckedRequest:
         """Everything that would make the request fail inside a step is rejected here
         (InvalidRequestError); its grammar, if any, compiles."""
         self.info.validate(prompt_ids, params)
+        self.info.check_priority(priority)
         structured = params.structured_outputs
         return CheckedRequest(self.grammars.compile(structured) if structured else None)
 
@@ -131,16 +135,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         checked: CheckedRequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
         prompt is then not tokenized again); `checked`, when given, says it was validated and
-        holds its compiled grammar."""
+        holds its compiled grammar. `priority` orders it under --scheduling-policy priority
+        (lower first)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if checked is None:
-            checked = self.check(prompt_ids, params)
+            checked = self.check(prompt_ids, params, priority)
         arrival = time.time() if arrival_time is None else arrival_time
         structured, grammar = params.structured_outputs, checked.grammar
         sequences = []
@@ -156,6 +162,7 @@ class LLMEngine:
                     prompt_token_ids=prompt_ids,
                     params=params,
                     arrival_time=arrival,
+                    priority=priority,
                     eos_token_id=self.tokenizer.eos_token_id,
                     generator=generator,
                     status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,

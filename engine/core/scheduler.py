@@ -5,10 +5,15 @@ chunk or one decode token), running sequences first, then waiting ones in arriva
 chunked to what the budget leaves. When the pool cannot hold a running sequence's next tokens,
 the most recently admitted sequence is preempted (its blocks freed, recomputed later from the
 head of the queue), and nothing new is admitted in that step.
+
+Under the priority policy "arrival order" becomes "(priority, arrival) order" everywhere: the
+queue is kept sorted by it, the running sequences are served in it, and the preempted one is
+the last in it (the lowest priority, the latest of those).
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,17 +33,26 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0
 
 
+def rank(seq: Sequence) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return seq.priority, seq.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.by_priority = config.scheduling_policy == "priority"
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            insort(self.waiting, seq, key=rank)  # after its equals: first come first served
+        else:
+            self.waiting.append(seq)
 
     def take_counters(self) -> SchedulerCounters:
         """The counts since the previous call; counting starts again from zero."""
@@ -51,6 +65,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.by_priority:  # the budget goes first to, and preemption last to, the urgent
+            self.running.sort(key=rank)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -110,7 +126,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self.add(seq)  # its arrival puts it before the later arrivals of its priority
+        else:
+            self.waiting.appendleft(seq)
 
     def update_from_output(
         self, out: SchedulerOutput, samples: list[Sample], max_model_len: int

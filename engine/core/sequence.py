@@ -31,6 +31,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0  # lower is scheduled first under the priority policy
     eos_token_id: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

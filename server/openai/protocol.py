@@ -107,6 +107,8 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     best_of: Int | None = None
     ignore_eos: bool = False
+    # vLLM's: lower is served earlier, on a server started with --scheduling-policy priority.
+    priority: Int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     min_tokens: Int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

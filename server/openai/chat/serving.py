@@ -79,7 +79,9 @@ async def prepare_chat(
         req.skip_special_tokens = False  # their markers (<|python_tag|>, [TOOL_CALLS]) are special
     params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
     outputs = await submit(
-        state, EngineRequest(request_id, prompt_ids, prompt_ids, params), constraint_param
+        state,
+        EngineRequest(request_id, prompt_ids, prompt_ids, params, req.priority),
+        constraint_param,
     )
     return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)
 

@@ -73,7 +73,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, response_id: str)
         prompt = p.text if p.text is not None else p.token_ids
         p.outputs = await submit(
             state,
-            EngineRequest(f"{response_id}-{i}", prompt, p.token_ids, p.params),
+            EngineRequest(f"{response_id}-{i}", prompt, p.token_ids, p.params, req.priority),
             constraint_param,
         )
     return prompts

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, rank
 from engine.core.scheduler_output import Sample, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.outputs import PositionLogprobs
@@ -32,6 +32,7 @@ class Sim:
     max_num_seqs: int
     max_num_batched_tokens: int
     caching: bool = True
+    policy: str = "fcfs"
     kv: KVCacheManager = field(init=False)
     sched: Scheduler = field(init=False)
     slots: list[list[int | None]] = field(init=False)
@@ -45,14 +46,20 @@ class Sim:
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, self.caching)
         config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.policy,
         )
         self.sched = Scheduler(config, self.kv)
         self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, n: int = 1) -> Sequence:
-        """Queue a request the way the engine does: sample 0 waits, its siblings await the fork."""
+    def add(
+        self, request_id: str, prompt: list[int], max_tokens: int, n: int = 1, priority: int = 0
+    ) -> Sequence:
+        """Queue a request the way the engine does: sample 0 waits, its siblings await the fork.
+        Requests arrive in the order they are added."""
         params = SamplingParams(n=n, max_tokens=max_tokens)
+        arrival = float(len(self.max_tokens))
         seqs = [
             Sequence(
                 request_id if i == 0 else f"{request_id}#{i}",
@@ -60,7 +67,8 @@ class Sim:
                 i,
                 list(prompt),
                 params,
-                0.0,
+                arrival,
+                priority=priority,
                 status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
             )
             for i in range(n)
@@ -104,6 +112,9 @@ class Sim:
         self, out: SchedulerOutput, running_before: list[Sequence], waiting_before: list[Sequence]
     ) -> None:
         sched = self.sched
+        if self.policy == "priority":  # served, and preempted, in (priority, arrival) order
+            running_before = sorted(running_before, key=rank)
+            assert list(sched.waiting) == sorted(sched.waiting, key=rank)
         assert out.num_tokens <= self.max_num_batched_tokens
         assert len(sched.running) <= self.max_num_seqs
         assert all(s.num_new_tokens >= 1 for s in out.scheduled)
@@ -124,7 +135,8 @@ class Sim:
             victims = [r.seq_id for r in out.preempted]
             assert admitted == []
             assert victims == running_ids[::-1][: len(victims)]
-            assert [r.seq_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
+            if self.policy == "fcfs":
+                assert [r.seq_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
             for victim in out.preempted:
                 assert victim.num_computed_tokens == 0
                 assert victim.status == SequenceStatus.WAITING
@@ -175,7 +187,7 @@ def scheduled(out: SchedulerOutput) -> list[tuple[str, int]]:
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int]]]:
+def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int, int]]]:
     block_size = draw(st.sampled_from([1, 2, 4]))
     requests = draw(
         st.lists(
@@ -184,21 +196,23 @@ def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int
                 st.lists(st.integers(0, 2), min_size=1, max_size=20),  # prompt
                 st.integers(1, 6),  # max_tokens
                 st.integers(1, 3),  # n
+                st.integers(-2, 2),  # priority (read under the priority policy)
             ),
             min_size=1,
             max_size=8,
         )
     )
-    longest = max(len(p) + m for _, p, m, _ in requests)
+    longest = max(len(p) + m for _, p, m, *_ in requests)
     # The pool always holds one sequence of the longest length, and sometimes little more.
     num_blocks = -(-longest // block_size) + draw(st.integers(0, 8))
-    max_n = max(n for *_, n in requests)
+    max_n = max(n for *_, n, _ in requests)
     sim = Sim(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=draw(st.integers(max_n, 6)),
         max_num_batched_tokens=draw(st.integers(1, 24)),
         caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
     return sim, sorted(requests, key=lambda r: r[0])
 
@@ -206,15 +220,15 @@ def workloads(draw: st.DrawFn) -> tuple[Sim, list[tuple[int, list[int], int, int
 @settings(max_examples=150, deadline=None)
 @given(workload=workloads())
 def test_random_workloads_respect_every_limit_and_finish(
-    workload: tuple[Sim, list[tuple[int, list[int], int, int]]],
+    workload: tuple[Sim, list[tuple[int, list[int], int, int, int]]],
 ) -> None:
     sim, requests = workload
     pending = list(enumerate(requests))
     while pending or sim.sched.has_unfinished():
         assert sim.steps < 3000, "no progress"
         while pending and pending[0][1][0] <= sim.steps:
-            i, (_, prompt, max_tokens, n) = pending.pop(0)
-            sim.add(f"g{i}", prompt, max_tokens, n)
+            i, (_, prompt, max_tokens, n, priority) = pending.pop(0)
+            sim.add(f"g{i}", prompt, max_tokens, n, priority)
         sim.step()
     sim.check_all_free()
     # Every sequence of every group produced exactly max_tokens tokens.
@@ -330,6 +344,53 @@ def test_preemption_evicts_the_most_recent_request_and_admits_nothing_that_step(
     sim.run_to_completion()
     assert b.output_token_ids[: len(b_outputs)] == b_outputs
     assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_priority_admits_the_most_urgent_first_and_equals_in_arrival_order() -> None:
+    sim = Sim(
+        num_blocks=16, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy="priority"
+    )
+    for name, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", -1)]:
+        sim.add(name, [1, 2, 3], max_tokens=2, priority=priority)
+    sim.run_to_completion()
+    assert [s.seq_id for s in sim.finished] == ["e", "b", "d", "c", "a"]
+
+
+def test_fcfs_ignores_priority() -> None:
+    sim = Sim(num_blocks=16, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    for name, priority in [("a", 2), ("b", 0), ("c", 1)]:
+        sim.add(name, [1, 2, 3], max_tokens=2, priority=priority)
+    sim.run_to_completion()
+    assert [s.seq_id for s in sim.finished] == ["a", "b", "c"]
+
+
+def test_priority_preempts_the_least_urgent_running_request_not_the_latest() -> None:
+    """The preemption scenario above with a admitted first but less urgent: a is the victim,
+    and b (admitted later, more urgent) keeps running."""
+    sim = Sim(
+        num_blocks=4,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=4,
+        caching=False,
+        policy="priority",
+    )
+    a = sim.add("a", [1, 2, 3, 4], max_tokens=8, priority=1)
+    assert scheduled(sim.step()) == [("a", 4)]
+    b = sim.add("b", [5, 6, 7, 8], max_tokens=8, priority=0)
+    # b is served first from now on: the budget goes to the most urgent running request.
+    assert scheduled(sim.step()) == [("a", 1), ("b", 3)]
+    assert scheduled(sim.step()) == [("b", 1), ("a", 1)]
+    out = sim.step()
+    while not out.preempted:  # until the pool runs out: a, then b, each wants a third block
+        assert sim.steps < 20
+        out = sim.step()
+    assert out.preempted == [a] and a.num_tokens == 9 and b.num_tokens < 9
+    assert a.status == SequenceStatus.WAITING and list(sim.sched.waiting) == [a]
+    assert [s.seq_id for s in sim.sched.running] == ["b"]
+    sim.run_to_completion()
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert [s.seq_id for s in sim.finished] == ["b", "a"]
 
 
 def test_the_last_running_request_preempts_itself_when_nothing_is_left_to_free() -> None:

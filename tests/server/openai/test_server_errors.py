@@ -348,6 +348,9 @@ EMPTY_AND_TOKENS = [
         ("json_schema.schema",),
     ),
     Bad("suffix", COMPLETIONS, {"suffix": "end"}, "suffix", ("suffix",)),
+    # The test server schedules first come, first served: a priority would mean nothing.
+    Bad("priority-fcfs", CHAT, {"priority": 1}, "priority", ("--scheduling-policy priority",)),
+    Bad("priority-fcfs-completion", COMPLETIONS, {"priority": -3}, "priority", ("priority",)),
 ]
 
 
