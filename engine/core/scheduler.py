@@ -8,11 +8,14 @@ head of the queue), and nothing new is admitted in that step.
 
 Under the priority policy "arrival order" becomes "(priority, arrival) order" everywhere: the
 queue is kept sorted by it, the running sequences are served in it, and the preempted one is
-the last in it (the lowest priority, the latest of those).
+the last in it (the lowest priority, the latest of those). And a waiting sequence more urgent
+than running ones takes their place when it could not start otherwise: they are preempted
+before the step, and it is admitted in the same step.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
@@ -67,6 +70,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if self.by_priority:  # the budget goes first to, and preemption last to, the urgent
             self.running.sort(key=rank)
+            self._make_room_for_the_most_urgent(out)
+        made_room = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -82,7 +87,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no running sequence was short of blocks
             self._admit(budget, out)
         for s in out.scheduled:
             if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
@@ -113,6 +118,32 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new, table))
             budget -= num_new
+
+    def _make_room_for_the_most_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running sequences, all less urgent than the head of the queue,
+        that the head needs gone to start now (a seat, and blocks for its first chunk); none if
+        even all of them would not do."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        seats = self._num_seqs_after_admitting(head) - self.max_num_seqs
+        first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+        blocks = math.ceil(first_chunk / self.kv.block_size) - self.kv.pool.num_free
+        victims: list[Sequence] = []
+        for seq in reversed(self.running):
+            if seats <= 0 and blocks <= 0:
+                break
+            if rank(seq) <= rank(head):
+                return  # the rest are at least as urgent: the head waits its turn
+            victims.append(seq)
+            seats -= 1 + len(seq.forks)
+            blocks -= len(self.kv.block_table(seq))  # at most: shared blocks stay
+        if seats > 0 or blocks > 0:
+            return
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def _num_seqs_after_admitting(self, seq: Sequence) -> int:
         # Forked siblings join the running set when the prompt completes: their seats stay

@@ -165,6 +165,7 @@ def chat_request(
         "parallel_tool_calls": req.parallel_tool_calls,
         "user": req.user,
         "stream": req.stream,
+        "priority": req.priority,
     }
     choice = req.tool_choice
     if choice is not None:

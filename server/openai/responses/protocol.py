@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.openai.protocol import Int, Text, _Request
+from server.openai.protocol import INT64_MAX, INT64_MIN, Int, Text, _Request
 
 
 class FunctionTool(_Request):
@@ -57,6 +57,7 @@ class ResponsesRequest(_Request):
     metadata: (
         dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
     ) = Field(None, max_length=16)
+    priority: Int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # vLLM's; see SamplingFields
     user: str | None = None
     stream: bool = False
     store: bool = True

@@ -133,7 +133,12 @@ class Sim:
         if out.preempted:
             # The most recently admitted requests are the victims; nothing new comes in.
             victims = [r.seq_id for r in out.preempted]
-            assert admitted == []
+            if self.policy == "fcfs":
+                assert admitted == []
+            else:  # room made for more urgent arrivals, which start in the same step
+                assert all(
+                    rank(sched_seq(sched, a)) < rank(v) for a in admitted for v in out.preempted
+                )
             assert victims == running_ids[::-1][: len(victims)]
             if self.policy == "fcfs":
                 assert [r.seq_id for r in list(sched.waiting)[: len(victims)]] == victims[::-1]
@@ -177,6 +182,10 @@ class Sim:
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
         assert not any(self.kv.tables.values())
         self.kv.check_consistency()
+
+
+def sched_seq(sched: Scheduler, seq_id: str) -> Sequence:
+    return next(s for s in sched.running if s.seq_id == seq_id)
 
 
 def scheduled(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -391,6 +400,44 @@ def test_priority_preempts_the_least_urgent_running_request_not_the_latest() -> 
     sim.run_to_completion()
     assert a.num_output_tokens == b.num_output_tokens == 8
     assert [s.seq_id for s in sim.finished] == ["b", "a"]
+
+
+def test_an_urgent_arrival_takes_the_place_of_a_less_urgent_running_request() -> None:
+    """The pool is held by a low-priority request; a more urgent one arrives and starts in the
+    very next step, its predecessor preempted (to finish later with all its tokens). An arrival
+    of the same priority waits instead."""
+    sim = Sim(
+        num_blocks=3,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        caching=False,
+        policy="priority",
+    )
+    low = sim.add("low", list(range(9)), max_tokens=3, priority=5)
+    assert scheduled(sim.step()) == [("low", 9)]  # all 3 blocks
+    same = sim.add("same", [1, 2, 3], max_tokens=2, priority=5)
+    out = sim.step()
+    assert out.preempted == [] and scheduled(out) == [("low", 1)]
+    urgent = sim.add("urgent", [4, 5, 6], max_tokens=2, priority=0)
+    out = sim.step()
+    assert out.preempted == [low]
+    assert scheduled(out) == [("urgent", 3)]
+    assert [s.seq_id for s in sim.sched.waiting] == ["low", "same"]  # by (priority, arrival)
+    sim.run_to_completion()
+    assert sim.finished[0].seq_id == "urgent"
+    assert (low.num_output_tokens, same.num_output_tokens, urgent.num_output_tokens) == (3, 2, 2)
+
+
+def test_no_room_is_made_when_the_arrival_could_not_start_anyway() -> None:
+    sim = Sim(
+        num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority"
+    )
+    sim.add("low", list(range(9)), max_tokens=3, priority=5)
+    sim.step()
+    sim.add("huge", list(range(20)), max_tokens=1, priority=0)  # 6 blocks: more than the pool
+    out = sim.step()
+    assert out.preempted == [] and scheduled(out) == [("low", 1)]
 
 
 def test_the_last_running_request_preempts_itself_when_nothing_is_left_to_free() -> None:
