@@ -38,6 +38,11 @@ def choice_grammar(choice: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
 
 
+# The free-text branch of `json_or_text`: any text whose first character is neither "{" (the
+# JSON branch's) nor whitespace (which would hide which branch it is).
+TEXT_BRANCH = r"root ::= [^{ \t\r\n] [^]*"
+
+
 def _depth_and_properties(node: Any) -> tuple[int, int]:
     """A JSON document's nesting depth and how many properties its objects declare (the
     entries of every `properties` member), walked without recursion: a bomb is deep."""
@@ -68,7 +73,7 @@ def check_limits(params: StructuredOutputsParams, limits: StructuredOutputsConfi
             f"of {limits.max_grammar_bytes} (--max-grammar-bytes)",
             "structured_outputs",
         )
-    if kind == "json":
+    if kind in ("json", "json_or_text"):
         depth, properties = _depth_and_properties(json.loads(source))
         if depth > limits.max_schema_depth:
             raise InvalidRequestError(
@@ -148,6 +153,12 @@ class GrammarCompiler:
             return {"any_whitespace": False}
         return {"any_whitespace": True, "max_whitespace_cnt": limit}
 
+    def _json_or_text(self, schema: str) -> Any:
+        import xgrammar as xgr
+
+        as_json = xgr.Grammar.from_json_schema(schema, **self._whitespace())
+        return xgr.Grammar.union(as_json, xgr.Grammar.from_ebnf(TEXT_BRANCH))
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar (an `xgrammar.CompiledGrammar`), from the cache when it is there;
         InvalidRequestError for a schema, regex or grammar that does not compile."""
@@ -175,6 +186,8 @@ class GrammarCompiler:
                 grammar = compiler.compile_regex(params.regex)
             elif params.choice is not None:
                 grammar = compiler.compile_grammar(choice_grammar(params.choice))
+            elif params.json_or_text is not None:
+                grammar = compiler.compile_grammar(self._json_or_text(params.json_or_text))
             else:
                 grammar = compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError) as exc:

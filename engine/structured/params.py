@@ -1,6 +1,7 @@
 """What a request constrains its output to: one JSON schema, any JSON, a regex, a choice of
-strings or a grammar (vLLM's `StructuredOutputsParams`). Pure data: it travels inside
-SamplingParams, and its `key` names the compiled grammar in the cache."""
+strings, a grammar (vLLM's `StructuredOutputsParams`), or a JSON schema with free text as the
+other branch. Pure data: it travels inside SamplingParams, and its `key` names the compiled
+grammar in the cache."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF dialect)
+    # A JSON value of this schema (serialized), or free text that begins with neither "{" nor
+    # whitespace: the first character says which branch the output took (generic tool calls).
+    json_or_text: str | None = None
     # A token id after which the constraint begins (the end of a reasoning block); None: at once.
     starts_after: int | None = field(default=None, compare=False)
 
@@ -30,13 +34,14 @@ class StructuredOutputsParams:
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("json_or_text", self.json_or_text),
             )
             if value is not None
         ]
         if len(given) != 1:
             raise InvalidRequestError(
                 "give exactly one structured output constraint (json, json_object, regex, "
-                f"choice or grammar), got {len(given)}",
+                f"choice, grammar or json_or_text), got {len(given)}",
                 "structured_outputs",
             )
         if self.choice is not None and (not self.choice or not all(self.choice)):
@@ -70,5 +75,7 @@ class StructuredOutputsParams:
             return ("regex", self.regex)
         if self.choice is not None:
             return ("choice", json.dumps(self.choice, ensure_ascii=False))
+        if self.json_or_text is not None:
+            return ("json_or_text", self.json_or_text)
         assert self.grammar is not None
         return ("grammar", self.grammar)
