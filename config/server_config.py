@@ -12,8 +12,10 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
 # dashboards, alerts and autoscaler rules written for a vLLM server work against this one.
 MetricsNames = Literal["pagedserve", "vllm"]
-# vLLM's names for the formats models write tool calls and reasoning in (server/openai/parsers/).
-ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+# vLLM's names for the formats models write tool calls and reasoning in (server/openai/parsers/),
+# and ours: `generic` (tools described in a system message, calls as constrained JSON) for a
+# template with no tool format, `auto` to choose one from the chat template at start-up.
+ToolCallParserName = Literal["auto", "generic", "hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
@@ -68,10 +70,17 @@ class ServerConfig(_Strict):
         description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
-    tool_call_parser: ToolCallParserName | None = Field(
-        None,
-        description="the format this model writes tool calls in; needed for tool_choice 'auto' "
-        "(hermes: Qwen/Hermes <tool_call>, llama3_json: Llama 3.x JSON, mistral: [TOOL_CALLS])",
+    tool_call_parser: ToolCallParserName = Field(
+        "auto",
+        description="the format this model writes tool calls in, read for tool_choice 'auto' "
+        "(hermes: Qwen/Hermes <tool_call>, llama3_json: Llama 3.x JSON, mistral: [TOOL_CALLS], "
+        "generic: tools described in a system message and calls constrained to JSON, for "
+        "templates with no tool format); auto: chosen from the chat template at start-up",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="accepted for vLLM compatibility and does nothing: tool_choice 'auto' "
+        "always works here",
     )
     reasoning_parser: ReasoningParserName | None = Field(
         None,

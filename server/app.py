@@ -34,6 +34,7 @@ from server.openai.chat.serving import create_chat_completion
 from server.openai.completions.protocol import Completion, CompletionRequest
 from server.openai.completions.serving import create_completion
 from server.openai.inputs import chat_messages, render_chat
+from server.openai.parsers.choose import choose_tool_call_parser
 from server.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.openai.responses.protocol import (
     DeletedResponse,
@@ -92,7 +93,9 @@ def create_app(
 ) -> FastAPI:
     """The app serves `engine`, which the caller starts and stops (one engine can back several
     apps), and `metrics` at /metrics (see `attach_metrics`)."""
-    state = ServerState.build(engine, config, metrics.reject if metrics else None)
+    tools = choose_tool_call_parser(config.tool_call_parser, engine.info.tokenizer)
+    log.info("tool calls: the %s format, because %s", tools.name, tools.reason)
+    state = ServerState.build(engine, config, tools.name, metrics.reject if metrics else None)
     metrics_registry = metrics.registry if metrics else CollectorRegistry()
     store = open_response_store(
         config.responses_store,

@@ -35,6 +35,9 @@ class ServerState:
     model_names: list[str]
     tokenizer: PreTrainedTokenizerBase  # the frontend's own (see EngineClient.info)
     gate: Gate
+    # The format tool calls are read in (and, for `generic`, asked for): --tool-call-parser, or
+    # what `auto` chose from the chat template (server/openai/parsers/choose.py).
+    tool_call_parser: str
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
     # tokenizer is not safe to call from several threads at once.
@@ -47,6 +50,7 @@ class ServerState:
         cls,
         engine: EngineClient,
         config: ServerConfig,
+        tool_call_parser: str,
         on_reject: Callable[[str], None] | None = None,
     ) -> ServerState:
         return cls(
@@ -55,6 +59,7 @@ class ServerState:
             served_model_names(engine, config),
             engine.info.tokenizer,
             Gate(config.max_waiting_requests, on_reject),
+            tool_call_parser,
         )
 
     def close(self) -> None:

@@ -53,8 +53,8 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> TokenCoun
     check_unicode(req)
     chat = chat_request(req)
     chat.check()
-    plan_tools(chat, state.config.tool_call_parser)  # the same refusals as the message's
-    return TokenCount(input_tokens=len(await render_prompt(state, chat)))
+    plan = plan_tools(chat, state.tool_call_parser)  # the same refusals and prompt as a message's
+    return TokenCount(input_tokens=len(await render_prompt(state, chat, plan)))
 
 
 async def create_message(

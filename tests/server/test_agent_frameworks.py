@@ -64,6 +64,39 @@ def test_langchain_bound_tools_whole_and_streamed(chat_model: Any) -> None:
     assert [(c["name"], c["args"]) for c in gathered.tool_calls] == [(call["name"], call["args"])]
 
 
+def test_langchain_bound_tools_with_auto_on_a_server_with_no_tool_flag(
+    server: RunningServer, chat_model: Any
+) -> None:
+    """bind_tools' default tool_choice is auto: the session server has no tool flag, so the
+    default model answers in the generic format, a call or content, whole and streamed."""
+    from langchain_openai import ChatOpenAI
+
+    bound = chat_model.bind_tools([get_weather])
+    message = bound.invoke("What is the weather in Paris?")
+    assert message.tool_calls or (message.content and not message.invalid_tool_calls)
+    for call in message.tool_calls:
+        assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    gathered = functools.reduce(operator.add, bound.stream("What is the weather in Paris?"))
+    assert [(c["name"], c["args"]) for c in gathered.tool_calls] == [
+        (c["name"], c["args"]) for c in message.tool_calls
+    ]
+    assert gathered.content == message.content
+
+    # Steered to open the calls object ('{"' of the default model's vocabulary): a call.
+    steered = ChatOpenAI(
+        model=MODEL,
+        base_url=server.url + "/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=60,  # type: ignore[call-arg]
+        max_retries=0,
+        logit_bias={39428: 100},
+    ).bind_tools([get_weather])
+    (call,) = steered.invoke("What is the weather in Paris?").tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    assert call["id"].startswith("call_")
+
+
 @pytest.mark.parametrize(
     ("api", "streamed"),
     [("chat", False), ("responses", False), ("responses", True)],

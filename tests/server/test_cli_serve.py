@@ -57,6 +57,19 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None
     assert serve_config({}, {"PAGEDSERVE_METRICS_NAMES": "vllm"}).server.metrics_names == "vllm"
 
 
+def test_tool_call_parser_defaults_to_auto_and_the_vllm_flag_is_taken() -> None:
+    assert serve_config({}, {}).server.tool_call_parser == "auto"
+    args = vars(cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+    args.pop("command"), args.pop("config")
+    config = serve_config(args, {})
+    assert config.server.enable_auto_tool_choice is True  # accepted, and nothing reads it
+    assert config.server.tool_call_parser == "auto"
+    named = vars(cli.build_parser().parse_args(["serve", "--tool-call-parser", "generic"]))
+    assert named["tool_call_parser"] == "generic"
+    field = SERVE_SECTIONS["server"].model_fields["enable_auto_tool_choice"]
+    assert "does nothing" in str(field.description)
+
+
 def test_hub_settings_from_flags_environment_file_and_kwargs(tmp_path: Path) -> None:
     argv = ["serve", "Qwen/Qwen3-0.6B", "--revision", "v2", "--download-dir", str(tmp_path)]
     args = vars(cli.build_parser().parse_args([*argv, "--tokenizer", "org/tok"]))

@@ -18,6 +18,7 @@ from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputsParams
 from server.http.streaming import event_stream, last_output, sse, until_disconnected
+from server.openai.chat.generic_tools import generic_messages
 from server.openai.chat.output import ChoiceShaper, ended_by_itself, whole_message
 from server.openai.chat.protocol import (
     ChatChoice,
@@ -63,11 +64,13 @@ async def prepare_chat(
     """Render, tokenize, check and submit a chat request (a 400 for anything wrong, with
     nothing queued)."""
     req.check()
-    plan = plan_tools(req, state.config.tool_call_parser)
-    constraint = req.constraint()
+    plan = plan_tools(req, state.tool_call_parser)
+    given = constraint = req.constraint()
     if plan.constraint is not None:
-        constraint = (plan.constraint, "tools")
-    prompt_ids = await render_prompt(state, req)
+        # (In the generic format a JSON answer the request asks for is part of the grammar: an
+        # error in its schema names the request's own field.)
+        constraint = (plan.constraint, given[1] if given else "tools")
+    prompt_ids = await render_prompt(state, req, plan)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -86,10 +89,17 @@ async def prepare_chat(
     return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)
 
 
-async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def render_prompt(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
+) -> list[int]:
     """The prompt's token ids: the conversation and its tools through the chat template."""
     messages = chat_messages(req.messages)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if plan.mode == "auto" and plan.parser == "generic" and req.tools:
+        # The template knows no tools: they are told in a system message of ours instead.
+        json_answer = req.constraint() is not None
+        messages = generic_messages(messages, req.tools, req.parallel_tool_calls, json_answer)
+        tools = None
     return await state.off_loop(
         render_chat,
         state.tokenizer,

@@ -1,15 +1,18 @@
 """What a chat request's tools ask of the model, decided before it runs: whether calls are
-parsed from free output (`auto`, with the server's parser), forced by a grammar (`required`, a
-named function) or not wanted (`none`)."""
+parsed from free output (`auto`, with the server's parser; in the generic format, free output
+narrowed by a grammar to a calls object or text), forced by a grammar (`required`, a named
+function) or not wanted (`none`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from engine.structured import SchemaError, StructuredOutputsParams, check_json_schema
 from server.errors import invalid
+from server.openai.chat.call_schema import calls_array, parameters
+from server.openai.chat.generic_tools import calls_or_answer
 from server.openai.chat.protocol import ChatCompletionRequest, ChatTool
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -20,42 +23,23 @@ class ToolPlan:
     mode: Mode
     parser: str | None = None  # the output format read in `auto`
     function: str | None = None  # the one function of `named`
-    constraint: StructuredOutputsParams | None = None  # what `required` and `named` force
+    # What `required` and `named` force, and what `auto` in the generic format allows.
+    constraint: StructuredOutputsParams | None = None
 
 
-def _parameters(tool: ChatTool) -> dict[str, Any]:
-    # No parameters: an empty object, as OpenAI calls such a function.
-    return tool.function.parameters or {"type": "object", "properties": {}}
+def _check_parameters(tools: list[ChatTool], only: int | None = None) -> None:
+    """Each tool's parameters (or tool `only`'s), refused with their own field named when the
+    grammar would not enforce them (the compile sees only the schema they are combined into)."""
+    for i, tool in enumerate(tools):
+        if only is not None and i != only:
+            continue
+        try:
+            check_json_schema(parameters(tool))
+        except SchemaError as exc:
+            raise invalid(str(exc), f"tools.{i}.function.parameters") from None
 
 
-def _checked_parameters(tools: list[ChatTool], i: int) -> dict[str, Any]:
-    """Tool `i`'s parameters, refused with their own field named when the grammar would not
-    enforce them (the compile sees only the schema they are combined into)."""
-    schema = _parameters(tools[i])
-    try:
-        check_json_schema(schema)
-    except SchemaError as exc:
-        raise invalid(str(exc), f"tools.{i}.function.parameters") from None
-    return schema
-
-
-def _required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls: each item names one of the tools and gives its parameters."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"enum": [t.function.name]}, "parameters": _parameters(t)},
-            "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
-
-
-def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan:
     """The plan for this request, or a 400 naming the field that cannot be honoured."""
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
@@ -68,21 +52,29 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     if choice is None or choice == "auto":
-        if parser is None:
+        if parser != "generic":
+            return ToolPlan("auto", parser=parser)
+        # The generic format tells calls from answers by a grammar of its own; an answer the
+        # request constrains to JSON (response_format) becomes that grammar's other branch.
+        given = req.constraint()
+        if given is not None and given[0].json is None and not given[0].json_object:
             raise invalid(
-                'tool_choice "auto" needs a server started with --tool-call-parser; '
-                'use "required" or a named function to force a call by grammar',
-                "tool_choice",
+                f'tool_choice "auto" cannot be combined with {given[1]} on this model: its chat '
+                "template has no tool format, so calls are told apart from answers by a JSON "
+                'grammar, which only a JSON answer can join; use tool_choice "required" or '
+                '"none", or start the server with --tool-call-parser naming the model\'s format',
+                given[1],
             )
-        return ToolPlan("auto", parser=parser)
+        _check_parameters(tools)
+        allowed = calls_or_answer(tools, req.parallel_tool_calls, given[0] if given else None)
+        return ToolPlan("auto", parser=parser, constraint=allowed)
     if req.constraint() is not None:
         raise invalid(
             "a forced tool call cannot be combined with a structured output", "tool_choice"
         )
     if choice == "required":
-        for i in range(len(tools)):
-            _checked_parameters(tools, i)
-        schema = _required_schema(tools, req.parallel_tool_calls)
+        _check_parameters(tools)
+        schema = calls_array(tools, None if req.parallel_tool_calls else 1, "parameters")
         return ToolPlan("required", constraint=StructuredOutputsParams.json_schema(schema))
     assert not isinstance(choice, str)
     name = choice.function.name
@@ -90,8 +82,11 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         raise invalid(
             f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice"
         )
-    schema = _checked_parameters(tools, names.index(name))
-    return ToolPlan("named", function=name, constraint=StructuredOutputsParams.json_schema(schema))
+    tool = tools[names.index(name)]
+    _check_parameters(tools, only=names.index(name))
+    return ToolPlan(
+        "named", function=name, constraint=StructuredOutputsParams.json_schema(parameters(tool))
+    )
 
 
 def forced_calls(plan: ToolPlan, text: str) -> list[tuple[str, str]] | None:

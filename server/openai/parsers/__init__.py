@@ -8,6 +8,7 @@ tokens (keeping special tokens where a format's marker is one) and maps events t
 
 from __future__ import annotations
 
+from server.openai.parsers.generic import GenericToolParser
 from server.openai.parsers.hermes import HermesToolParser
 from server.openai.parsers.llama3_json import Llama3JsonToolParser
 from server.openai.parsers.mistral import MistralToolParser
@@ -30,7 +31,8 @@ from server.openai.parsers.types import (
 )
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p
+    for p in (GenericToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser)
 }
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
@@ -68,6 +70,7 @@ __all__ = [
     "ContentDelta",
     "DeepSeekR1ReasoningParser",
     "ExtractedToolCalls",
+    "GenericToolParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",

@@ -483,11 +483,11 @@ def test_deeply_nested_json_is_content_not_a_crash() -> None:
 
 
 def test_registry() -> None:
-    assert TOOL_CALL_PARSER_NAMES == ("hermes", "llama3_json", "mistral")
+    assert TOOL_CALL_PARSER_NAMES == ("generic", "hermes", "llama3_json", "mistral")
     for name in TOOL_CALL_PARSER_NAMES:
         assert tool_call_parser_for(name).name == name
     assert tool_call_parser_for("hermes") is HermesToolParser
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="generic, hermes, llama3_json, mistral"):
         tool_call_parser_for("pythonic")
 
 
@@ -632,10 +632,11 @@ def test_qwen3_reasoning_then_hermes_on_template_output(content: str, tool_calls
 
 
 def test_the_server_flags_offer_exactly_the_registered_parsers() -> None:
-    """config/ may not import server/, so its flag choices are literals: they must match."""
+    """config/ may not import server/, so its flag choices are literals: they must match (and
+    `auto`, which chooses one of them at start-up)."""
     from typing import get_args
 
     from config.server_config import ReasoningParserName, ToolCallParserName
 
-    assert get_args(ToolCallParserName) == TOOL_CALL_PARSER_NAMES
+    assert get_args(ToolCallParserName) == ("auto", *TOOL_CALL_PARSER_NAMES)
     assert get_args(ReasoningParserName) == REASONING_PARSER_NAMES

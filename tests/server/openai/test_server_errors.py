@@ -202,13 +202,17 @@ OUT_OF_RANGE = [
         "tools",
         ("tools",),
     ),
-    # Chat takes tools, but "auto" (the default choice) needs a parser this server lacks.
+    # Chat takes tools with "auto" (the default choice) on this model with no tool flag, in the
+    # generic format; only a constraint that is no JSON cannot join its grammar.
     Bad(
-        "tools-chat-auto-without-parser",
+        "tools-chat-auto-with-a-regex",
         CHAT,
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        "tool_choice",
-        ("--tool-call-parser",),
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "guided_regex": "[a-z]+",
+        },
+        "guided_regex",
+        ("tool_choice", "auto", "--tool-call-parser"),
     ),
 ]
 
@@ -366,6 +370,20 @@ def test_bad_request(http: httpx.Client, client: openai.OpenAI, case: Bad) -> No
     for word in case.words:
         assert word in error["message"], (word, error["message"])
     assert_sdk_raises(lambda: sdk_post(client, case.path, body), openai.BadRequestError, 400, error)
+
+
+def test_tools_with_the_default_choice_need_no_flag(http: httpx.Client) -> None:
+    """The request that once needed --tool-call-parser: tools with no tool_choice ("auto")."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    response = http.post(CHAT, json={**BASE[CHAT], "tools": tools, "max_tokens": 30})
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    calls = choice["message"].get("tool_calls") or []
+    if calls:
+        assert [c["function"]["name"] for c in calls] == ["f"]
+        assert choice["finish_reason"] == "tool_calls"
+    else:
+        assert choice["message"]["content"] and choice["finish_reason"] in ("stop", "length")
 
 
 def test_nan_temperature_is_refused(http: httpx.Client, client: openai.OpenAI) -> None:

@@ -1,7 +1,9 @@
 """Tool calling over real HTTP with the official openai client: `required` and a named function
-forced by a grammar on the default model (whose free output would rarely be a call), `auto`
-parsed from a random-weight Qwen3's output (forced into each parser's format by a test grammar),
-streamed as OpenAI streams calls, and OpenAI 400s for bad tools, choices and tool messages."""
+forced by a grammar on the default model (whose free output would rarely be a call), `auto` on
+a server started with no tool flag (the default model's ChatML: the generic format, a call or an
+answer, each steered in turn; the Qwen3 template: hermes, chosen at start-up), `auto` parsed
+from a random-weight Qwen3's output in each named format (forced by a test grammar), streamed
+as OpenAI streams calls, and OpenAI 400s for bad tools, choices and tool messages."""
 
 from __future__ import annotations
 
@@ -164,7 +166,8 @@ UNENFORCED_TIME: Any = {
     },
 }
 BAD = [
-    ({"tool_choice": "auto"}, "tool_choice"),  # auto needs --tool-call-parser
+    # The generic format's grammar cannot be merged with a regex the request brings.
+    ({"tool_choice": "auto", "guided_regex": "[a-z]+"}, "guided_regex"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
@@ -294,3 +297,131 @@ def check_auto(client: openai.OpenAI, before: str, call_text: str) -> None:
         [],
         "stop",
     )
+
+
+# --------------------------------------------------------------------------- auto, no flag
+
+# Tokens of the default model's vocabulary that steer the first choice of the generic format:
+# '{"' can only open the calls object; "Hello" can only begin a plain answer.
+OPEN_OBJECT, HELLO = 39428, 19556
+
+
+def generic_auto(
+    client: openai.OpenAI, **kwargs: Any
+) -> tuple[str | None, list[tuple[str, str]], str | None, bool]:
+    """One auto request, whole and streamed (greedy, so the two must agree): content, calls
+    (name, arguments), finish_reason, and whether it was a call. Checks that the shape is
+    well formed and its finish_reason consistent with it."""
+    common: Any = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "temperature": 0,
+        "max_tokens": 60,
+        **kwargs,
+    }
+    whole = client.chat.completions.create(**common).choices[0]
+    calls = whole.message.tool_calls or []
+    if calls:
+        check_calls(calls)
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    else:
+        assert whole.message.content and whole.finish_reason in ("stop", "length")
+    pairs = [(c.function.name, c.function.arguments) for c in calls]
+
+    text, streamed, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **common):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            text += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                if delta.id is not None:
+                    assert delta.id.startswith("call_") and delta.function is not None
+                    streamed.append([delta.function.name, ""])
+                streamed[delta.index][1] += (delta.function and delta.function.arguments) or ""
+    assert [tuple(c) for c in streamed] == pairs and finish == whole.finish_reason
+    assert text == (whole.message.content or "")
+    return whole.message.content, pairs, whole.finish_reason, bool(calls)
+
+
+def test_auto_needs_no_flag_on_the_default_model(client: openai.OpenAI) -> None:
+    """The session server was started with no tool flag; its ChatML template has no tool
+    format, so auto answers in the generic one: a call or an answer, whole and streamed."""
+    generic_auto(client)  # either shape, well formed
+    generic_auto(client, messages=[{"role": "user", "content": "Write a haiku about rain."}])
+
+
+def test_auto_steered_to_a_call_returns_tool_calls(client: openai.OpenAI) -> None:
+    content, calls, finish, called = generic_auto(
+        client, logit_bias={str(OPEN_OBJECT): 100}, max_tokens=120
+    )
+    assert called and content is None and finish == "tool_calls"
+    assert calls and all(name in SCHEMAS for name, _ in calls)
+    one, calls, _, _ = generic_auto(
+        client, logit_bias={str(OPEN_OBJECT): 100}, max_tokens=120, parallel_tool_calls=False
+    )
+    assert one is None and len(calls) == 1
+
+
+def test_auto_steered_to_text_returns_content(client: openai.OpenAI) -> None:
+    content, calls, finish, called = generic_auto(client, logit_bias={str(HELLO): 100})
+    assert not called and calls == []
+    assert content is not None and content.startswith("Hello") and finish == "length"
+
+
+def test_auto_answers_after_a_tool_result(client: openai.OpenAI) -> None:
+    history: Any = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    generic_auto(client, messages=history)
+    content, _, _, called = generic_auto(client, messages=history, logit_bias={str(HELLO): 100})
+    assert not called and content and content.startswith("Hello")
+
+
+def test_auto_with_a_response_format_is_a_call_or_that_json(client: openai.OpenAI) -> None:
+    """What the OpenAI Agents SDK sends for an agent with tools and an output type."""
+    city: Any = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}},
+        "required": ["name"],
+    }
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "c", "schema": city}}
+    for messages in (ASK, [{"role": "user", "content": "Name a city in France, as JSON."}]):
+        content, _, _, called = generic_auto(
+            client, messages=messages, response_format=response_format
+        )
+        if not called:
+            assert content is not None
+            jsonschema.validate(json.loads(content), city)
+
+
+def test_no_flag_on_a_qwen3_template_chooses_hermes(
+    qwen_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from config import ServerConfig
+
+    with caplog.at_level("INFO", logger="server.app"):
+        running = RunningServer(qwen_engine, ServerConfig())
+    assert any(
+        "the hermes format" in r.getMessage() and "<tool_call>" in r.getMessage()
+        for r in caplog.records
+    )
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        check_auto(client, *OUTPUTS["hermes"])
+    finally:
+        client.close()
+        running.stop()

@@ -162,6 +162,23 @@ def test_forced_function_call_then_its_output(client: openai.OpenAI) -> None:
     assert follow.output_text and not [i for i in follow.output if i.type == "function_call"]
 
 
+def test_auto_needs_no_flag_and_gives_a_call_or_a_message(client: openai.OpenAI) -> None:
+    """tool_choice auto (the default) on the default model, served with no tool flag: the
+    generic format, through the same prepared chat path."""
+    for ask in ("What is the weather in Paris?", "Write one sentence about rain."):
+        out = client.responses.create(
+            model=MODEL, input=ask, tools=[WEATHER], temperature=0, max_output_tokens=60
+        )
+        assert out.status in ("completed", "incomplete")
+        calls = [item for item in out.output if item.type == "function_call"]
+        if calls:
+            assert [c.name for c in calls] == ["get_weather"]
+            jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+            assert not out.output_text
+        else:
+            assert out.output_text and not out.output_text.startswith("{")
+
+
 def test_streamed_events_and_text_equal_the_whole(client: openai.OpenAI) -> None:
     common: Any = {
         "model": MODEL,
