@@ -224,6 +224,34 @@ def test_streamed_tool_use_accumulates_to_the_whole_call(claude: Any) -> None:
     assert streamed.stop_reason == whole.stop_reason == "tool_use"
 
 
+def test_tools_with_auto_choice_need_no_flag(claude: Any) -> None:
+    """Anthropic's default tool_choice (auto) on the default model, whose template has no tool
+    format: the answer is a tool use that follows the schema or text, its stop_reason says
+    which, and the stream accumulates to the same message."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 60,
+        "extra_body": GREEDY,
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+    }
+    whole = claude.messages.create(**body)
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    if uses:
+        assert whole.stop_reason == "tool_use"
+        for use in uses:
+            assert use.name == "get_weather"
+            jsonschema.validate(use.input, WEATHER["input_schema"])
+    else:
+        assert whole.stop_reason in ("end_turn", "max_tokens") and whole.content[0].text
+    with claude.messages.stream(**body) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump(exclude={"parsed_output"}) for b in streamed.content] == [
+        b.model_dump(exclude={"parsed_output"}) for b in whole.content
+    ]
+    assert streamed.stop_reason == whole.stop_reason
+
+
 def test_count_tokens_with_tools_matches_the_message(claude: Any) -> None:
     body: dict[str, Any] = {
         "model": MODEL,
