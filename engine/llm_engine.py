@@ -285,6 +285,7 @@ class LLMEngine:
                 if first_token is None or scheduled is None
                 else first_token - scheduled,
                 decode_time=None if first_token is None else now - first_token,
+                kv_wait_time=request.sequences[0].kv_wait_until(now),
             )
         )
 
@@ -294,11 +295,13 @@ class LLMEngine:
         scheduler = self.scheduler
         counters = scheduler.take_counters()
         stats.num_preemptions = counters.num_preemptions
+        stats.preemptions_by_reason = dict(counters.preemptions_by_reason)
         stats.prefix_cache_queries = counters.prefix_cache_queries
         stats.prefix_cache_hits = counters.prefix_cache_hits
         stats.num_running = len(scheduler.running)
         stats.num_waiting = len(scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage()
+        stats.num_free_blocks = self.kv.pool.num_free
         return stats
 
     def _record_scheduled(self, out: SchedulerOutput) -> None:

@@ -23,6 +23,7 @@ class FinishedRequest:
     queue_time: float | None
     prefill_time: float | None
     decode_time: float | None
+    kv_wait_time: float = 0.0  # waiting because the KV pool had no room (part of queue time)
 
 
 @dataclass
@@ -31,8 +32,10 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
     # Counts since the previous snapshot.
     num_preemptions: int = 0
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     prompt_tokens: int = 0

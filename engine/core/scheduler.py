@@ -16,9 +16,10 @@ before the step, and it is admitted in the same step.
 from __future__ import annotations
 
 import math
+import time
 from bisect import insort
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 from config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -32,6 +33,8 @@ class SchedulerCounters:
     """What the scheduler counted since the counters were last taken."""
 
     num_preemptions: int = 0
+    # kv_cache: a running sequence was short of blocks; priority: room for a more urgent one.
+    preemptions_by_reason: Counter[str] = field(default_factory=Counter)
     prefix_cache_queries: int = 0  # in tokens, as the metrics count them
     prefix_cache_hits: int = 0
 
@@ -78,7 +81,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while (table := self.kv.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()  # never one already scheduled: those come before i
-                self._preempt(victim)
+                self._preempt(victim, "kv_cache")
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -107,8 +110,13 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             table = self.kv.allocate_slots(seq, num_new, hits)
             if table is None:
+                if seq.kv_wait_since is None:
+                    seq.kv_wait_since = time.time()
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if seq.kv_wait_since is not None:
+                seq.kv_wait += time.time() - seq.kv_wait_since
+                seq.kv_wait_since = None
             if seq.num_preemptions == 0:
                 self.counters.prefix_cache_queries += seq.num_tokens
                 self.counters.prefix_cache_hits += num_cached
@@ -142,7 +150,7 @@ class Scheduler:
             return
         for victim in victims:
             self.running.remove(victim)
-            self._preempt(victim)
+            self._preempt(victim, "priority")
             out.preempted.append(victim)
 
     def _num_seqs_after_admitting(self, seq: Sequence) -> int:
@@ -151,12 +159,14 @@ class Scheduler:
         reserved = sum(len(r.forks) for r in self.running)
         return len(self.running) + reserved + 1 + len(seq.forks)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, reason: str) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.kv_wait_since = time.time()  # until readmitted, it waits for room in the pool
         self.counters.num_preemptions += 1
+        self.counters.preemptions_by_reason[reason] += 1
         if self.by_priority:
             self.add(seq)  # its arrival puts it before the later arrivals of its priority
         else:

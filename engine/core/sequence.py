@@ -39,6 +39,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # Waiting for KV room: since when (refused blocks at the head of the queue, or preempted),
+    # and how long in all before this.
+    kv_wait_since: float | None = None
+    kv_wait: float = 0.0
     last_token_time: float | None = None  # when this sample's latest token was sampled
     generator: torch.Generator | None = None
     forks: list[Sequence] = field(default_factory=list)
@@ -78,6 +82,11 @@ class Sequence:
         return (
             self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
+
+    def kv_wait_until(self, now: float) -> float:
+        """Seconds this sequence has waited for KV room, counting a wait still going on."""
+        ongoing = 0.0 if self.kv_wait_since is None else now - self.kv_wait_since
+        return self.kv_wait + ongoing
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

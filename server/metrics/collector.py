@@ -83,6 +83,11 @@ REQUEST_LATENCY_BUCKETS = [
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
+# Why a running sequence was preempted: the pool had no block for it, or a more urgent waiting
+# request needed its place (--scheduling-policy priority).
+PREEMPTION_REASONS = ("kv_cache", "priority")
+# Waiting for KV room: from a blink to the minutes a saturated pool can impose.
+KV_WAIT_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 
 
 def one_two_five_buckets(limit: int) -> list[int]:
@@ -129,6 +134,16 @@ class EngineMetrics:
             "kv_cache_usage_perc", "KV cache usage: 1 means every block is in use."
         ).labels(*m)
         self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(*m)
+        by_reason = counter("kv_preemptions", "Preemptions (recompute), by reason.", ("reason",))
+        self.preemptions_by_reason = {r: by_reason.labels(*m, r) for r in PREEMPTION_REASONS}
+        self.free_blocks = gauge(
+            "kv_cache_free_blocks", "KV blocks free (cached ones included)."
+        ).labels(*m)
+        self.kv_wait = histogram(
+            "request_kv_wait_time_seconds",
+            "Time a request waited because the KV pool had no room (part of its queue time).",
+            KV_WAIT_BUCKETS,
+        ).labels(*m)
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(*m)
@@ -191,6 +206,9 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.preemptions.inc(stats.num_preemptions)
+        for reason, count in stats.preemptions_by_reason.items():
+            self.preemptions_by_reason[reason].inc(count)
+        self.free_blocks.set(stats.num_free_blocks)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -206,6 +224,7 @@ class EngineMetrics:
             self.e2e.observe(done.e2e_latency)
             self.request_prompt.observe(done.num_prompt_tokens)
             self.request_generation.observe(done.num_generation_tokens)
+            self.kv_wait.observe(done.kv_wait_time)
             for histogram, seconds in (
                 (self.queue, done.queue_time),
                 (self.prefill, done.prefill_time),

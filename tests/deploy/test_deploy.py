@@ -36,6 +36,7 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedserve.json"
 YAML_FILES = {
     "docker-compose.yml",
     "prometheus.yml",
+    "alerts.yml",
     "grafana/provisioning/datasources/prometheus.yml",
     "grafana/provisioning/dashboards/dashboards.yml",
     "k8s/deployment.yaml",
@@ -62,6 +63,9 @@ CHARTED_FAMILIES = {
     "request_success",
     "iteration_tokens_total",
     "request_rejected",
+    "request_kv_wait_time_seconds",
+    "kv_preemptions",
+    "kv_cache_free_blocks",
 }
 
 # A metric selector in PromQL: the name (digits included: e2e_...) and, when present, its {matchers}.
@@ -363,7 +367,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 21
+    assert len(exprs) == 25
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr
@@ -461,7 +465,11 @@ def test_prometheus_scrapes_the_compose_server_every_5s() -> None:
     [[target]] = [c["targets"] for c in job["static_configs"]]
     host, port = target.split(":")
     assert host in compose()["services"] and port == dockerfile_env()["PAGEDSERVE_PORT"]
-    assert bind_mounts("prometheus") == {"./prometheus.yml": "/etc/prometheus/prometheus.yml"}
+    assert bind_mounts("prometheus") == {
+        "./prometheus.yml": "/etc/prometheus/prometheus.yml",
+        "./alerts.yml": "/etc/prometheus/alerts.yml",  # beside it, as rule_files names it
+    }
+    assert config["rule_files"] == ["alerts.yml"]
 
 
 def test_metrics_are_scraped_without_the_api_key(keyed_server) -> None:

@@ -341,6 +341,7 @@ def test_preemption_evicts_the_most_recent_request_and_admits_nothing_that_step(
     assert [r.seq_id for r in out.preempted] == ["b"]
     assert scheduled(out) == [("a", 1)]
     assert sim.sched.counters.num_preemptions == 1 and b.num_preemptions == 1
+    assert sim.sched.counters.preemptions_by_reason == {"kv_cache": 1}
     assert b.num_computed_tokens == 0 and b.status == SequenceStatus.WAITING
     assert b.output_token_ids == b_outputs  # its tokens are kept, only their K/V is recomputed
     assert list(sim.sched.waiting) == [b]
@@ -422,9 +423,12 @@ def test_an_urgent_arrival_takes_the_place_of_a_less_urgent_running_request() ->
     urgent = sim.add("urgent", [4, 5, 6], max_tokens=2, priority=0)
     out = sim.step()
     assert out.preempted == [low]
+    assert sim.sched.counters.preemptions_by_reason == {"priority": 1}
+    assert low.kv_wait_since is not None  # waiting for room again, from now on
     assert scheduled(out) == [("urgent", 3)]
     assert [s.seq_id for s in sim.sched.waiting] == ["low", "same"]  # by (priority, arrival)
     sim.run_to_completion()
+    assert low.kv_wait_since is None and low.kv_wait > 0  # readmitted: its wait is counted
     assert sim.finished[0].seq_id == "urgent"
     assert (low.num_output_tokens, same.num_output_tokens, urgent.num_output_tokens) == (3, 2, 2)
 

@@ -230,7 +230,14 @@ def test_preemptions_counted_in_a_small_pool(llama_dir: Path) -> None:
         asyncio.run(main())
         wait_until_idle(engine)
         samples = scrape(running.url)
-        assert value(samples, "num_preemptions_total") > 0
+        preemptions = value(samples, "num_preemptions_total")
+        assert preemptions > 0
+        assert value(samples, "kv_preemptions_total", reason="kv_cache") == preemptions
+        assert value(samples, "kv_preemptions_total", reason="priority") == 0
+        # At most two 70-token requests fit in 12 blocks of 16: the others waited for room.
+        assert value(samples, "request_kv_wait_time_seconds_count") == 6
+        assert value(samples, "request_kv_wait_time_seconds_sum") > 0
+        assert value(samples, "kv_cache_free_blocks") == 12  # idle: every block free
         assert value(samples, "request_success_total", finished_reason="length") == 6
         assert value(samples, "generation_tokens_total") == 6 * 40
         assert value(samples, "kv_cache_usage_perc") == 0

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -57,6 +58,86 @@ def test_promtool_accepts_the_deploy_config() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def alert(name: str) -> dict[str, Any]:
+    (group,) = yaml.safe_load((DEPLOY / "alerts.yml").read_text())["groups"]
+    return next(rule for rule in group["rules"] if rule["alert"] == name)
+
+
+def expected(name: str) -> list[dict[str, Any]]:
+    rule = alert(name)
+    labels = {"model_name": "m", **rule["labels"]}
+    return [{"exp_labels": labels, "exp_annotations": rule["annotations"]}]
+
+
+def test_promtool_evaluates_the_kv_pressure_alerts(tmp_path: Path) -> None:
+    """Prometheus's own rule engine (promtool test rules) on synthetic series: a pool above 90%
+    for 10 minutes fires, one that dips below in that window does not; a mean KV wait of 2 s
+    fires after its 10 minutes, 0.5 s never does."""
+    usage = 'pagedserve:kv_cache_usage_perc{model_name="m"}'
+    wait = 'pagedserve:request_kv_wait_time_seconds_{}{{model_name="m"}}'
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": usage, "values": "0.95x20"}],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "PagedserveKVCacheNearlyFull", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "PagedserveKVCacheNearlyFull",
+                    "exp_alerts": expected("PagedserveKVCacheNearlyFull"),
+                },
+            ],
+        },
+        {
+            "interval": "1m",
+            "input_series": [{"series": usage, "values": "0.95x7 0.5 0.95x12"}],
+            "alert_rule_test": [
+                {"eval_time": "15m", "alertname": "PagedserveKVCacheNearlyFull", "exp_alerts": []}
+            ],
+        },
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": wait.format("sum"), "values": "0+120x30"},  # 2 s per request
+                {"series": wait.format("count"), "values": "0+60x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "PagedserveKVWaitHigh", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "PagedserveKVWaitHigh",
+                    "exp_alerts": expected("PagedserveKVWaitHigh"),
+                },
+            ],
+        },
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": wait.format("sum"), "values": "0+30x30"},  # 0.5 s per request
+                {"series": wait.format("count"), "values": "0+60x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "25m", "alertname": "PagedserveKVWaitHigh", "exp_alerts": []}
+            ],
+        },
+    ]
+    spec = tmp_path / "alerts_test.yml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(DEPLOY / "alerts.yml")],
+                "evaluation_interval": "1m",
+                "tests": tests,
+            }
+        )
+    )
+    for command in (["check", "rules", str(DEPLOY / "alerts.yml")], ["test", "rules", str(spec)]):
+        done = subprocess.run(
+            [installed("promtool"), *command], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
 @contextmanager
 def scraping(target_port: int, tmp_path: Path) -> Iterator[str]:
     """A real Prometheus scraping 127.0.0.1:`target_port` as deploy/prometheus.yml says; its URL."""
@@ -68,6 +149,7 @@ def scraping(target_port: int, tmp_path: Path) -> Iterator[str]:
     job["static_configs"] = [{"targets": [f"127.0.0.1:{target_port}"]}]
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(settings))
+    shutil.copy(DEPLOY / "alerts.yml", tmp_path / "alerts.yml")  # rule_files: beside the config
     port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     process = subprocess.Popen(
@@ -278,7 +360,12 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
         ]
         ours = {f.name: f.type for f in families if f.name.startswith("pagedserve:")}
         assert {f.name: f.type for f in families if f.name.startswith("vllm:")} == VLLM_FAMILIES
-        assert ours == {"pagedserve:request_rejected": "counter"}  # vLLM has no such metric
+        assert ours == {  # vLLM has no such metrics
+            "pagedserve:request_rejected": "counter",
+            "pagedserve:kv_preemptions": "counter",
+            "pagedserve:request_kv_wait_time_seconds": "histogram",
+            "pagedserve:kv_cache_free_blocks": "gauge",
+        }
         reasons = set()
         for family in families:
             for sample in family.samples:
@@ -286,7 +373,7 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
                 labels.pop("le", None)
                 if family.name == "vllm:request_success":
                     reasons.add(labels.pop("finished_reason"))
-                if family.name == "pagedserve:request_rejected":
+                if family.name in ("pagedserve:request_rejected", "pagedserve:kv_preemptions"):
                     labels.pop("reason")
                 if family.name == "vllm:cache_config_info":
                     assert labels == {"block_size": "16", "num_gpu_blocks": "64", "engine": "0"}
@@ -343,9 +430,16 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
         wait_for_answer(prometheus, at("vllm:iteration_tokens_total_sum"), computed)
         names = httpx.get(prometheus + "/api/v1/label/__name__/values", timeout=5).json()
         stored = set(names["data"])  # every metric name Prometheus holds
-        assert {name for name in stored if name.startswith("pagedserve:")} == {
-            "pagedserve:request_rejected_total",
-            "pagedserve:request_rejected_created",
+        ours = {name for name in stored if name.startswith("pagedserve:")}
+        assert ours == {  # the metrics vLLM has no name for
+            f"pagedserve:{family}{suffix}"
+            for family, suffixes in (
+                ("request_rejected", ("_total", "_created")),
+                ("kv_preemptions", ("_total", "_created")),
+                ("kv_cache_free_blocks", ("",)),
+                ("request_kv_wait_time_seconds", ("_bucket", "_count", "_sum", "_created")),
+            )
+            for suffix in suffixes
         }
         assert "vllm:time_to_first_token_seconds_bucket" in stored
 
