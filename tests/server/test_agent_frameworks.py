@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.readme import python_examples, run_example
 from tests.support.server_harness import RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -163,3 +164,13 @@ def test_openai_agents_sdk_runs_a_tool_and_returns_a_typed_output(
     assert called.final_output == f"Sunny in {city}"
     assert isinstance(named.final_output, City)
     assert [r.getMessage() for r in caplog.records if r.name.startswith("openai.agents")] == []
+
+
+def test_readme_langchain_example_runs(server: RunningServer) -> None:
+    """The README's agent-frameworks example, as written, against a server with no flags: a typed
+    city, then a bound tool with auto choice answered by a call or by text."""
+    (snippet,) = python_examples("Agent frameworks")
+    city, _, reply = run_example(server.url, "python", snippet).strip().partition("\n")
+    name, country = city.split(" / ")
+    assert name.strip() and country.strip()
+    assert reply == "['get_weather']" or (reply.strip() and not reply.startswith("["))

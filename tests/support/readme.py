@@ -20,6 +20,14 @@ def section_examples(heading: str) -> tuple[str, str]:
     return curl, snippet
 
 
+def python_examples(heading: str) -> list[str]:
+    """The python examples of the README section `### heading`, in order."""
+    text = README.read_text()
+    section = text[text.index(f"### {heading}\n") :]
+    section = section[: section.index("\n### ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
 def run_example(url: str, language: str, source: str) -> str:
     """What `source` prints when run against the server at `url` instead of localhost:8000."""
     source = source.replace("http://localhost:8000", url)
