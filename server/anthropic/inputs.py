@@ -166,8 +166,6 @@ ANTHROPIC_NAMES = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
     "user": "metadata.user_id",
-    "messages": "messages",
-    "tools": "tools",
     "response_format": "output_config.format",
 }
 
