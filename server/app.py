@@ -36,6 +36,8 @@ from server.openai.completions.serving import create_completion
 from server.openai.inputs import chat_messages, render_chat
 from server.openai.parsers.choose import choose_tool_call_parser
 from server.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from server.openai.render.protocol import RenderedRequest
+from server.openai.render.serving import render_chat_request, render_completion_request
 from server.openai.responses.protocol import (
     DeletedResponse,
     InputItemList,
@@ -175,6 +177,18 @@ def create_app(
         return await create_message(state, req, request)
 
     app.include_router(generating)
+
+    # vLLM's render routes (routers tokenize through them): prepared as their routes prepare
+    # a request, nothing generated; no admission, as nothing is queued.
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(req: ChatCompletionRequest) -> RenderedRequest:
+        log_ignored_fields(req)
+        return await render_chat_request(state, req)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(req: CompletionRequest) -> list[RenderedRequest]:
+        log_ignored_fields(req)
+        return await render_completion_request(state, req)
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(req: CountTokensRequest) -> TokenCount:

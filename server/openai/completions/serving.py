@@ -27,7 +27,9 @@ from server.state import ServerState
 
 
 @dataclass
-class _Prompt:
+class PreparedPrompt:
+    """One prompt of a completion request, checked and submitted (queued once read)."""
+
     text: str | None
     token_ids: list[int]
     params: SamplingParams = field(init=False)
@@ -42,7 +44,9 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(cast(list[str] | list[list[int]], prompt))
 
 
-async def _prepare(state: ServerState, req: CompletionRequest, response_id: str) -> list[_Prompt]:
+async def prepare_completion(
+    state: ServerState, req: CompletionRequest, response_id: str
+) -> list[PreparedPrompt]:
     req.check()
     raw = _split_prompts(req.prompt)
     if not raw:
@@ -52,9 +56,11 @@ async def _prepare(state: ServerState, req: CompletionRequest, response_id: str)
         if isinstance(item, str):
             if not item:
                 raise invalid("the prompt must not be empty", "prompt")
-            prompts.append(_Prompt(item, await state.off_loop(encode, state.tokenizer, item)))
+            prompts.append(
+                PreparedPrompt(item, await state.off_loop(encode, state.tokenizer, item))
+            )
         else:
-            prompts.append(_Prompt(None, list(item)))
+            prompts.append(PreparedPrompt(None, list(item)))
     logprobs = req.logprobs
     structured, constraint_param = req.constraint() or (None, "")
     for p in prompts:
@@ -85,7 +91,7 @@ async def create_completion(
     model = state.resolve_model(req.model)
     check_unicode(req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = await _prepare(state, req, response_id)
+    prompts = await prepare_completion(state, req, response_id)
     created = int(time.time())
     streams = [state.generate(request, p.outputs) for p in prompts]
     writer = _ChoiceWriter(state, req, prompts)
@@ -108,7 +114,9 @@ async def create_completion(
 class _ChoiceWriter:
     """Turns engine outputs into choices: echo, logprobs and their text offsets."""
 
-    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt]) -> None:
+    def __init__(
+        self, state: ServerState, req: CompletionRequest, prompts: list[PreparedPrompt]
+    ) -> None:
         self.state = state
         self.req = req
         self.prompts = prompts

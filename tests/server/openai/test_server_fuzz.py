@@ -48,6 +48,8 @@ BODY_ROUTES = [
     ("POST", "/v1/responses"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/chat/completions/render"),
+    ("POST", "/v1/completions/render"),
 ]
 # No body and no parameter that could be of a wrong type (a path segment is always a string):
 # only valid requests exist, so the negative mode has nothing to generate.
