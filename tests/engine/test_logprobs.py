@@ -208,13 +208,13 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(
     preempted_mid_prompt: list[tuple[int, int]] = []
     preempt = scheduler._preempt
 
-    def record(request) -> None:
+    def record(request, reason: str) -> None:
         if (
             request.prompt_logprobs is not None
             and request.num_computed_tokens < request.num_prompt_tokens
         ):
             preempted_mid_prompt.append((request.num_computed_tokens, len(request.prompt_logprobs)))
-        preempt(request)
+        preempt(request, reason)
 
     monkeypatch.setattr(scheduler, "_preempt", record)
     ids = llm.tokenizer(LONG_PROMPT * 3).input_ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,7 +53,9 @@ def replicas(
 
 
 def router(replicas: list[Daemon], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("smg")
+    # Installed beside this interpreter by the dev extra (PATH may not hold the venv's bin).
+    beside = Path(sys.executable).parent / "smg"
+    binary = shutil.which("smg") or (str(beside) if beside.exists() else None)
     assert binary is not None, "smg is not installed (the dev extra installs it)"
     port, metrics_port = free_port(), free_port()
     argv = [
