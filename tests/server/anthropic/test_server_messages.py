@@ -105,16 +105,19 @@ def test_system_prompt_and_blocks_run_as_the_same_chat(
     assert count.input_tokens == message.usage.input_tokens
 
 
-def forced_weather(claude: Any, **extra: Any) -> Any:
-    return claude.messages.create(
-        model=MODEL,
-        max_tokens=40,
-        extra_body=GREEDY,
-        tools=[WEATHER],
-        tool_choice={"type": "tool", "name": "get_weather"},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        **extra,
-    )
+# The weather tool forced on a question: its prompt (count_tokens takes this alone), then the
+# whole request.
+WEATHER_ASK: dict[str, Any] = {
+    "model": MODEL,
+    "tools": [WEATHER],
+    "tool_choice": {"type": "tool", "name": "get_weather"},
+    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+}
+FORCED_WEATHER: dict[str, Any] = {**WEATHER_ASK, "max_tokens": 40, "extra_body": GREEDY}
+
+
+def forced_weather(claude: Any) -> Any:
+    return claude.messages.create(**FORCED_WEATHER)
 
 
 def test_forced_tool_use_follows_its_schema(claude: Any) -> None:
@@ -208,14 +211,7 @@ def test_streamed_text_accumulates_to_the_whole_message(claude: Any) -> None:
 
 def test_streamed_tool_use_accumulates_to_the_whole_call(claude: Any) -> None:
     whole = forced_weather(claude)
-    with claude.messages.stream(
-        model=MODEL,
-        max_tokens=40,
-        extra_body=GREEDY,
-        tools=[WEATHER],
-        tool_choice={"type": "tool", "name": "get_weather"},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-    ) as stream:
+    with claude.messages.stream(**FORCED_WEATHER) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         streamed = stream.get_final_message()
     assert set(deltas) == {"input_json_delta"}
@@ -253,13 +249,7 @@ def test_tools_with_auto_choice_need_no_flag(claude: Any) -> None:
 
 
 def test_count_tokens_with_tools_matches_the_message(claude: Any) -> None:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "tools": [WEATHER],
-        "tool_choice": {"type": "tool", "name": "get_weather"},
-        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-    }
-    count = claude.messages.count_tokens(**body)
+    count = claude.messages.count_tokens(**WEATHER_ASK)
     assert count.input_tokens == forced_weather(claude).usage.input_tokens
 
 

@@ -131,24 +131,32 @@ def test_named_function_streamed_equals_whole(client: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
 
 
+# The question, the model's call of get_time, and the tool's result: a turn to answer.
+ANSWERED_TIME: Any = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+]
+
+
 def test_a_conversation_with_calls_and_results(client: openai.OpenAI) -> None:
-    history: Any = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
-    ]
     out = client.chat.completions.create(
-        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=20
+        model=MODEL,
+        messages=ANSWERED_TIME,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=20,
     )
     assert out.choices[0].message.content and not out.choices[0].message.tool_calls
 
@@ -371,23 +379,10 @@ def test_auto_steered_to_text_returns_content(client: openai.OpenAI) -> None:
 
 
 def test_auto_answers_after_a_tool_result(client: openai.OpenAI) -> None:
-    history: Any = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
-    ]
-    generic_auto(client, messages=history)
-    content, _, _, called = generic_auto(client, messages=history, logit_bias={str(HELLO): 100})
+    generic_auto(client, messages=ANSWERED_TIME)
+    content, _, _, called = generic_auto(
+        client, messages=ANSWERED_TIME, logit_bias={str(HELLO): 100}
+    )
     assert not called and content and content.startswith("Hello")
 
 
