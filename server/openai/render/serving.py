@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 
+from engine import SamplingParams
 from server.openai.chat.protocol import ChatCompletionRequest
 from server.openai.chat.serving import prepare_chat
 from server.openai.completions.protocol import CompletionRequest
@@ -16,21 +17,31 @@ from server.openai.render.protocol import RenderedRequest, sampling_fields
 from server.state import ServerState
 
 
+def _rendered(
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    model: str,
+    req: ChatCompletionRequest | CompletionRequest,
+) -> RenderedRequest:
+    return RenderedRequest(
+        request_id=request_id,
+        token_ids=token_ids,
+        sampling_params=sampling_fields(params),
+        model=model,
+        stream=req.stream,
+        stream_options=req.stream_options.model_dump() if req.stream_options else None,
+        priority=req.priority,
+    )
+
+
 async def render_chat_request(state: ServerState, req: ChatCompletionRequest) -> RenderedRequest:
     model = state.resolve_model(req.model)
     check_unicode(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = await prepare_chat(state, req, request_id)
     await prepared.outputs.aclose()
-    return RenderedRequest(
-        request_id=request_id,
-        token_ids=prepared.prompt_ids,
-        sampling_params=sampling_fields(prepared.params),
-        model=model,
-        stream=req.stream,
-        stream_options=req.stream_options.model_dump() if req.stream_options else None,
-        priority=req.priority,
-    )
+    return _rendered(request_id, prepared.prompt_ids, prepared.params, model, req)
 
 
 async def render_completion_request(
@@ -43,15 +54,5 @@ async def render_completion_request(
     rendered = []
     for i, p in enumerate(prompts):
         await p.outputs.aclose()
-        rendered.append(
-            RenderedRequest(
-                request_id=f"{response_id}-{i}",
-                token_ids=p.token_ids,
-                sampling_params=sampling_fields(p.params),
-                model=model,
-                stream=req.stream,
-                stream_options=req.stream_options.model_dump() if req.stream_options else None,
-                priority=req.priority,
-            )
-        )
+        rendered.append(_rendered(f"{response_id}-{i}", p.token_ids, p.params, model, req))
     return rendered
