@@ -75,6 +75,20 @@ class ModelConfig(_Strict):
         False,
         description="run decode steps eagerly instead of replaying CUDA graphs, and keep CPU weights unpacked",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="make a request's output independent of the batch it runs in (bfloat16 on the CPU): every "
+        "row of every linear and every attention row computed in one fixed order; prefill is slower",
+    )
+
+    @model_validator(mode="after")
+    def _invariant_needs_packing(self) -> ModelConfig:
+        # The fixed-order linear kernel reads prepacked weights, which --enforce-eager keeps as loaded.
+        if self.batch_invariant and self.enforce_eager:
+            raise ValueError(
+                f"{flag('batch_invariant')} needs the prepacked CPU weights that {flag('enforce_eager')} turns off"
+            )
+        return self
 
 
 class CacheConfig(_Strict):

@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from config import EngineConfig
+from config import ConfigError, EngineConfig
 from engine.distributed.shard import Shard, check_shardable
 from engine.loading.hub import tokenizer_path
 from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
 from engine.models.registry import describe, resolve_architecture
 from kernels.attention import Platform, choose
+from kernels.cpu.packed_linear import fixed_order_available
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,13 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         choice.block_size,
         choice.why,
     )
+    if config.model.batch_invariant:
+        why_not = batch_invariance_unfit(device, dtype, choice.name)
+        if why_not is not None:
+            raise ConfigError(f"--batch-invariant: {why_not}")
+        log.info(
+            "batch-invariant: every row in a fixed order (linears and attention); prefill is slower"
+        )
     return ModelSpec(
         path=path,
         tokenizer_path=path if config.model.tokenizer is None else tokenizer_path(config.model),
@@ -100,3 +108,18 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         max_model_len=config.resolve_max_model_len(context_limit(hf_config)),
         tensor_parallel_size=tp_size,
     )
+
+
+def batch_invariance_unfit(device: str, dtype: torch.dtype, backend: str) -> str | None:
+    """Why --batch-invariant cannot hold here, or None. It holds where every linear runs on
+    kernels/cpu/bf16_linear and every attention row on the cpu backend's decode path, whose sums
+    have one order whatever the batch; other kernels choose their blocking by the shape."""
+    if device != "cpu":
+        return f"it runs on the CPU, not {device}"
+    if dtype != torch.bfloat16:
+        return f"it runs in bfloat16 (--dtype bfloat16), not {str(dtype).removeprefix('torch.')}"
+    if backend != "cpu":
+        return f"it needs the cpu attention backend, not {backend}"
+    if not fixed_order_available():
+        return "its linear kernel (kernels/cpu/bf16_linear) needs a CPU with AVX512-BF16 and did not load here"
+    return None

@@ -83,6 +83,7 @@ class DecoderModel(nn.Module):
         self.rotary: dict[str, RotaryEmbedding] = {}
         # What a platform may give the model after loading (engine/worker/cpu/ on the CPU):
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
+        self.lm_head_packed_own = False  # in kernels/cpu/bf16_linear's layout (else oneDNN's)
         self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
         self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
 
@@ -176,7 +177,9 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.tie_word_embeddings:
-            logits = linear(hidden, self.embed_tokens.weight, self.lm_head_packed, None)
+            logits = linear(
+                hidden, self.embed_tokens.weight, self.lm_head_packed, None, self.lm_head_packed_own
+            )
         else:
             logits = self.lm_head(hidden)
         gathered = gather_columns(logits.float(), self.shard, self.config.vocab_size)

@@ -156,9 +156,10 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
                 why_not,
             )
     model = load_model(spec, shard, torch.device(device))
-    backend = build_backend(spec.attention_backend)
+    invariant = config.model.batch_invariant
+    backend = build_backend(spec.attention_backend, rows_alone=invariant)
     if device == "cpu" and not config.model.enforce_eager:
-        prepare_model(model, backend, log_here=shard.rank == 0)
+        prepare_model(model, backend, log_here=shard.rank == 0, fixed_order=invariant)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)

@@ -122,12 +122,41 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+def one_row_each(meta: AttentionMetadata) -> AttentionMetadata:
+    """The step's metadata with every query row a request of its own (seeing its own request's
+    keys up to itself), planned once a step. The paged kernel then takes each row through its
+    decode path, the path of every generated token: a row's numbers no longer depend on how its
+    prompt was cut into chunks, which rows share its step, or whether it is recomputed after a
+    preemption (the prefill kernel, SDPA and the tile path each sum in orders of their own)."""
+
+    def make() -> AttentionMetadata:
+        lens = torch.tensor(meta.query_lens)
+        owner = torch.repeat_interleave(torch.arange(meta.num_reqs), lens)
+        seen = [
+            pos
+            for q_len, ctx in zip(meta.query_lens, meta.context_lens)
+            for pos in range(ctx - q_len + 1, ctx + 1)
+        ]
+        rows = len(seen)
+        return AttentionMetadata(
+            slot_mapping=meta.slot_mapping,
+            block_tables=meta.block_tables.index_select(0, owner.to(meta.block_tables.device)),
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=meta.cu_seqlens_q.device),
+            seqlens_k=torch.tensor(seen, dtype=torch.int32, device=meta.seqlens_k.device),
+            query_lens=[1] * rows,
+            context_lens=seen,
+        )
+
+    return meta.planned(("cpu", "one_row_each"), make)
+
+
 class CpuPagedBackend:
     name = "cpu"
     graph_safe = False  # CPU only: there are no CUDA graphs to capture
 
-    def __init__(self, prefill_kernel: bool = True) -> None:
+    def __init__(self, prefill_kernel: bool = True, rows_alone: bool = False) -> None:
         self.prefill_kernel = prefill_kernel  # False: long chunks to SDPA even where it could run
+        self.rows_alone = rows_alone  # every row through the decode path (`one_row_each`)
 
     def forward(
         self,
@@ -148,7 +177,9 @@ class CpuPagedBackend:
         chunks: list[SdpaChunk] = []
         max_query_len = NO_LIMIT  # with a softcap the kernel takes every chunk
         long = 0  # chunks for the prefill kernel
-        if self.prefill_kernel and prefill_kernel_takes(q.dtype, dim, softcap):
+        if self.rows_alone:
+            meta = one_row_each(meta)
+        elif self.prefill_kernel and prefill_kernel_takes(q.dtype, dim, softcap):
             max_query_len, long = KERNEL_MAX_QUERY_LEN, long_chunks(meta)
         elif softcap is None:
             max_query_len = KERNEL_MAX_QUERY_LEN

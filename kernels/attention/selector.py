@@ -66,6 +66,14 @@ def choose(requested: str, platform: Platform, block_size: int | None = None) ->
     )
 
 
-def build_backend(name: str) -> AttentionBackend:
-    """The backend called `name`; its kernel library is imported only here, when it is used."""
+def build_backend(name: str, rows_alone: bool = False) -> AttentionBackend:
+    """The backend called `name`; its kernel library is imported only here, when it is used.
+    `rows_alone`: every query row attended to on its own, in an order that does not depend on
+    the batch (--batch-invariant; the cpu backend's alone, which the caller has checked)."""
+    if rows_alone:
+        if name != "cpu":
+            raise ValueError(f"only the cpu attention backend attends row by row, not {name}")
+        from kernels.attention.cpu_backend import CpuPagedBackend
+
+        return CpuPagedBackend(rows_alone=True)
     return BY_NAME[name].factory()

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 @functools.cache
 def own_layout() -> bool:
-    """Whether weights are packed for kernels/cpu/bf16_linear (where it loads here)."""
+    """Whether weights are packed for kernels/cpu/bf16_linear here unless told: where it loads
+    and is preferred over oneDNN (AVX512-BF16 without AMX)."""
     try:
         from kernels.cpu import bf16_linear
     except ImportError:  # not built, or not for this CPU (extension.py logs why): oneDNN it is
@@ -25,19 +26,33 @@ def own_layout() -> bool:
     return bf16_linear.PREFERRED
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+@functools.cache
+def fixed_order_available() -> bool:
+    """Whether kernels/cpu/bf16_linear runs here. Each output row of it is its own float32 sum
+    over the inputs in one order whatever the row count, so a row's numbers do not depend on
+    the rows beside it (oneDNN picks its blocking, and so its sums' order, by the shape)."""
+    try:
+        from kernels.cpu import bf16_linear
+    except ImportError:
+        return False
+    return bf16_linear.AVAILABLE
+
+
+def can_pack(weight: torch.Tensor, own: bool | None = None) -> bool:
+    """`own`: for kernels/cpu/bf16_linear (None: this CPU's preference, `own_layout()`)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
-    if own_layout():
+    if own_layout() if own is None else own:
         from kernels.cpu import bf16_linear
 
         return bf16_linear.can_pack(weight)
     return torch.backends.mkldnn.is_available()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in the layout `linear` reads here, for any number of rows."""
-    if own_layout():
+def pack(weight: torch.Tensor, own: bool | None = None) -> torch.Tensor:
+    """The weight [out, in] in the layout `linear` reads here, for any number of rows; `own` as
+    in `can_pack`."""
+    if own_layout() if own is None else own:
         from kernels.cpu import bf16_linear
 
         return bf16_linear.pack(weight)
@@ -49,14 +64,15 @@ def linear(
     weight: torch.Tensor | None,
     packed: torch.Tensor | None,
     bias: torch.Tensor | None,
+    own: bool | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one (then `weight` may be
-    None)."""
+    None); `own`: the layout `pack` was asked for."""
     if packed is None:
         assert weight is not None, "a layer that was not packed keeps its weight"
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    if own_layout():
+    if own_layout() if own is None else own:
         from kernels.cpu import bf16_linear
 
         out = bf16_linear.linear(rows, packed, bias)

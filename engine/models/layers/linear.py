@@ -46,6 +46,7 @@ class PackableLinear(nn.Module):
     (engine/worker/cpu/)."""
 
     packed: torch.Tensor | None = None
+    packed_own: bool = False  # `packed` is in kernels/cpu/bf16_linear's layout (else oneDNN's)
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -53,7 +54,7 @@ class PackableLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.bias)
+        return linear(x, self.weight, self.packed, self.bias, self.packed_own)
 
 
 class ReplicatedLinear(PackableLinear):
@@ -118,8 +119,8 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return linear(x, self.weight, self.packed, self.bias)
-        y = all_reduce(linear(x, self.weight, self.packed, None), self.shard)
+            return linear(x, self.weight, self.packed, self.bias, self.packed_own)
+        y = all_reduce(linear(x, self.weight, self.packed, None, self.packed_own), self.shard)
         return y if self.bias is None else y + self.bias
 
 

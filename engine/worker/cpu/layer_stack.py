@@ -20,7 +20,6 @@ from engine.models.layers.attention import ForwardContext
 from engine.models.layers.linear import PackableLinear
 from engine.models.layers.mlp import GatedMLP
 from engine.models.llama import PreNormLayer
-from kernels.cpu import packed_linear
 from kernels.kv_store import stored_rows
 
 
@@ -99,7 +98,7 @@ class CpuLayerStack:
             first.input_layernorm.eps,
             first.self_attn.options.norm_eps,
             first.self_attn.scale,
-            packed_linear.own_layout(),
+            first.self_attn.qkv_proj.packed_own,
         )
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -114,7 +113,9 @@ class CpuLayerStack:
         rows, slots = stored_rows(meta.slot_mapping)  # once a step, for every layer
         long = 0
         plans: list[list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]]
-        if self.cpu_backend.prefill_kernel_takes(x.dtype, k_cache.shape[-1], None):
+        if getattr(ctx.backend, "rows_alone", False):  # --batch-invariant
+            meta, plans = self.cpu_backend.one_row_each(meta), [[] for _ in self.windows]
+        elif self.cpu_backend.prefill_kernel_takes(x.dtype, k_cache.shape[-1], None):
             long, plans = self.cpu_backend.long_chunks(meta), [[] for _ in self.windows]
         else:
             plans = [

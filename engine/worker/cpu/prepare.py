@@ -11,24 +11,37 @@ from engine.models.interface import CausalLM
 from engine.models.layers.linear import PackableLinear
 from engine.worker.cpu.layer_stack import stack_cpu_layers
 from kernels.attention import AttentionBackend
+from kernels.cpu import packed_linear
 from kernels.cpu.packed_linear import can_pack, pack
 
 log = logging.getLogger(__name__)
 
 
-def pack_weights(model: CausalLM) -> bool:
+def pack_weights(model: CausalLM, fixed_order: bool = False) -> bool:
     """Prepack every linear weight for the CPU's fastest bfloat16 kernel
     (kernels/cpu/packed_linear), after loading; the unpacked copies are dropped, but the
-    embedding's, which the lookup still reads. False if the weights cannot be packed here."""
-    if not isinstance(model, DecoderModel) or not can_pack(model.embed_tokens.weight):
+    embedding's, which the lookup still reads. False if the weights cannot be packed here.
+    `fixed_order`: for kernels/cpu/bf16_linear whatever this CPU prefers (--batch-invariant);
+    a weight it cannot take is then an error, not a layer left to oneDNN."""
+    own = fixed_order or packed_linear.own_layout()
+    if not isinstance(model, DecoderModel) or not can_pack(model.embed_tokens.weight, own):
         return False
     if model.tie_word_embeddings:
-        model.lm_head_packed = pack(model.embed_tokens.weight)
-    for module in model.modules():
+        model.lm_head_packed = pack(model.embed_tokens.weight, own)
+        model.lm_head_packed_own = own
+    for name, module in model.named_modules():
         weight = module.weight if isinstance(module, PackableLinear) else None
-        if weight is not None and can_pack(weight):
-            module.packed = pack(weight)
-            module.register_parameter("weight", None)
+        if weight is None:
+            continue
+        if not can_pack(weight, own):
+            if fixed_order:
+                raise ValueError(
+                    f"--batch-invariant: {name} cannot take the fixed-order linear kernel"
+                )
+            continue
+        assert isinstance(module, PackableLinear)
+        module.packed, module.packed_own = pack(weight, own), own
+        module.register_parameter("weight", None)
     return True
 
 
@@ -47,12 +60,19 @@ def fuse_ops(model: CausalLM) -> str | None:
     return None
 
 
-def prepare_model(model: CausalLM, backend: AttentionBackend, log_here: bool) -> None:
+def prepare_model(
+    model: CausalLM, backend: AttentionBackend, log_here: bool, fixed_order: bool = False
+) -> None:
     """Everything above that applies to `model` on the CPU under `backend` (not with
-    --enforce-eager: the caller does not call this then). `log_here`: this rank logs."""
-    if pack_weights(model) and log_here:
+    --enforce-eager: the caller does not call this then). `log_here`: this rank logs;
+    `fixed_order`: linears through the fixed-order kernel (--batch-invariant)."""
+    if pack_weights(model, fixed_order) and log_here:
+        kernel = (
+            "kernels/cpu/bf16_linear" if fixed_order or packed_linear.own_layout() else "oneDNN"
+        )
         log.info(
-            "linear weights prepacked for oneDNN (bfloat16 on the CPU; --enforce-eager keeps them as loaded)"
+            "linear weights prepacked for %s (bfloat16 on the CPU; --enforce-eager keeps them as loaded)",
+            kernel,
         )
     why_not = fuse_ops(model)
     if why_not is not None and log_here:
