@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -168,10 +169,14 @@ class AsyncEngine:
         it, or one a shutdown overtakes, is abandoned: its request fails at once, and the
         thread's result, when it comes, goes only to the cache."""
         timeout = self.engine.config.structured.grammar_compile_timeout
-        compiling = asyncio.get_running_loop().run_in_executor(
-            self._compiles, self.engine.grammars.compile, structured
-        )
         deadline = time.monotonic() + timeout
+        grammars = self.engine.grammars
+        # The size and keyword checks first, outside the compile queue (they parse at most
+        # --max-grammar-bytes): a refused constraint never waits for a compile thread.
+        await asyncio.to_thread(grammars.check, structured)
+        compiling = asyncio.get_running_loop().run_in_executor(
+            self._compiles, functools.partial(grammars.compile, structured, checked=True)
+        )
         try:
             while not compiling.done():
                 left = deadline - time.monotonic()

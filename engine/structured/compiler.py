@@ -159,19 +159,31 @@ class GrammarCompiler:
         as_json = xgr.Grammar.from_json_schema(schema, **self._whitespace())
         return xgr.Grammar.union(as_json, xgr.Grammar.from_ebnf(TEXT_BRANCH))
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar (an `xgrammar.CompiledGrammar`), from the cache when it is there;
-        InvalidRequestError for a schema, regex or grammar that does not compile."""
-        key = params.key
+    def check(self, params: StructuredOutputsParams) -> None:
+        """InvalidRequestError for a constraint past the size limits or with schema keywords the
+        grammar would not keep: the checks that need no compile, so that a caller can run them
+        before queueing for a compile thread (a bomb then gets its own message at once, not the
+        deadline's after waiting behind other compiles). Nothing for a cached constraint."""
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+            if params.key in self._cache:
+                return
         check_limits(params, self.limits)
         if params.json is not None:
             # After the size limits, which bound this walk; before compiling, which would
             # accept keywords the grammar then ignores.
             check_json_schema(json.loads(params.json))
+
+    def compile(self, params: StructuredOutputsParams, checked: bool = False) -> Any:
+        """The compiled grammar (an `xgrammar.CompiledGrammar`), from the cache when it is there;
+        InvalidRequestError for a schema, regex or grammar that does not compile. `checked`:
+        `check` has passed already."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        if not checked:
+            self.check(params)
         compiler = self._xgrammar()
         started = time.perf_counter()
         try:

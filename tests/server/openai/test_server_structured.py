@@ -246,6 +246,7 @@ def test_compile_bombs_are_400s_within_the_deadline_while_health_stays_fast(
     running = RunningServer(engine, ServerConfig())
     engine.engine.grammars._xgrammar()  # the vocabulary read, which the deadline would count
     slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(999)}}
+    slower = {"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(999)}}
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(900):
         deep = {"type": "array", "items": deep}
@@ -259,27 +260,32 @@ def test_compile_bombs_are_400s_within_the_deadline_while_health_stays_fast(
         )
 
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             started = time.perf_counter()
-            answers = [pool.submit(ask, slow), pool.submit(ask, deep)]
-            time.sleep(0.2)
+            answers = [pool.submit(ask, slow), pool.submit(ask, slower)]
+            time.sleep(0.1)  # both compile threads taken: the bomb is refused without one
+            answers.append(pool.submit(ask, deep))
+            time.sleep(0.1)
             health_started = time.perf_counter()
             assert httpx.get(running.url + "/health", timeout=10).status_code == 200
             assert time.perf_counter() - health_started < 0.5
-            slow_answer, deep_answer = (a.result() for a in answers)
+            slow_answer, slower_answer, deep_answer = (a.result() for a in answers)
         assert time.perf_counter() - started < 5  # the deadline, not the compile (seconds more)
         for answer, words in (
             (slow_answer, "did not compile within 0.5 s"),
+            (slower_answer, "did not compile within 0.5 s"),
             (deep_answer, "nests"),
         ):
             assert answer.status_code == 400, answer.text
             error = answer.json()["error"]
             assert error["param"] == "response_format" and words in error["message"], error
-        assert ask(PERSON).status_code == 200  # a compile thread is still free
-        # The abandoned compile ends in the cache: wait for it, so that no thread is still in
-        # native code when the test process exits.
-        slow_key = StructuredOutputsParams.json_schema(slow).key
-        wait_until(lambda: slow_key in engine.engine.grammars._cache, 120, what="the compile")
+        # The abandoned compiles end in the cache: wait for them, so that no thread is still in
+        # native code when the test process exits; then the threads serve again.
+        cache = engine.engine.grammars._cache
+        for schema in (slow, slower):
+            key = StructuredOutputsParams.json_schema(schema).key
+            wait_until(lambda k=key: k in cache, 120, what="the compile")
+        assert ask(PERSON).status_code == 200
     finally:
         running.stop()
         engine.shutdown()
