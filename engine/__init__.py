@@ -3,15 +3,19 @@
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
     "InvalidRequestError",
     "LLMEngine",
     "ModelLoadError",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -21,15 +21,15 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from config import EngineConfig
-from engine.client import EngineRequest
+from engine.client import EngineRequest, PoolingRequest
 from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import CheckedRequest, LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from engine.stats import EngineStats
 from engine.structured import StructuredOutputsParams
 
@@ -44,9 +44,9 @@ class _Sink:
     """Where one request's outputs go: its asyncio queue, fed on its own event loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[EngineOutput | BaseException]
 
-    def send(self, item: RequestOutput | BaseException) -> None:
+    def send(self, item: EngineOutput | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -55,7 +55,7 @@ class _Sink:
 
 @dataclass
 class _Add:
-    request: EngineRequest
+    request: EngineRequest | PoolingRequest
     checked: CheckedRequest
     sink: _Sink
     # Stamped when the caller hands the request over, not when the engine thread takes it: a
@@ -161,7 +161,20 @@ class AsyncEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile(params.structured_outputs)
-        return self._stream(request, CheckedRequest(grammar))
+        # A generation request's stream carries only RequestOutputs (the engine makes them).
+        return cast(
+            AsyncGenerator[RequestOutput, None], self._stream(request, CheckedRequest(grammar))
+        )
+
+    async def submit_pooling(
+        self, request: PoolingRequest
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Check an input to embed (InvalidRequestError: nothing is queued) and return its
+        stream: one output, finished. Leaving it early aborts the request."""
+        self.info.validate_pooling(request.prompt_token_ids, request.params, request.field)
+        return cast(
+            AsyncGenerator[PoolingRequestOutput, None], self._stream(request, CheckedRequest(None))
+        )
 
     async def _compile(self, structured: StructuredOutputsParams) -> Any:
         """The grammar compiled on one of a few threads of its own (a compile holds a core; the
@@ -199,8 +212,8 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id))
 
     async def _stream(
-        self, request: EngineRequest, checked: CheckedRequest
-    ) -> AsyncGenerator[RequestOutput, None]:
+        self, request: EngineRequest | PoolingRequest, checked: CheckedRequest
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Queues the request when first iterated; leaving early (a client that went away)
         aborts it."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -301,6 +314,17 @@ class AsyncEngine:
     def _add(self, item: _Add) -> None:
         request = item.request
         try:
+            if isinstance(request, PoolingRequest):
+                self.engine.add_pooling_request(
+                    request.prompt,
+                    request.params,
+                    request.request_id,
+                    arrival_time=item.arrival_time,
+                    prompt_token_ids=request.prompt_token_ids,
+                    checked=True,
+                )
+                self._sinks[request.request_id] = item.sink
+                return
             self.engine.add_request(
                 request.prompt,
                 request.params,
@@ -315,7 +339,7 @@ class AsyncEngine:
             return
         self._sinks[request.request_id] = item.sink
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: EngineOutput) -> None:
         sink = self._sinks.get(output.request_id)
         if output.finished:
             self._sinks.pop(output.request_id, None)

@@ -16,11 +16,18 @@ from typing import Protocol
 
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineRequest", "InvalidRequestError"]
+__all__ = [
+    "EngineClient",
+    "EngineDeadError",
+    "EngineRequest",
+    "InvalidRequestError",
+    "PoolingRequest",
+]
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,17 @@ class EngineRequest:
     prompt_token_ids: list[int]  # the prompt tokenized by the caller (with its chat template)
     params: SamplingParams
     priority: int = 0  # lower is served earlier (--scheduling-policy priority)
+
+
+@dataclass(frozen=True)
+class PoolingRequest:
+    """One input to embed (a pooling engine): its tokens, already truncated where asked."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    field: str = "input"  # the request field errors about the input name
 
 
 class EngineClient(Protocol):
@@ -52,5 +70,9 @@ class EngineClient(Protocol):
     def stuck_step(self, timeout: float) -> str | None: ...
 
     async def submit(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def submit_pooling(
+        self, request: PoolingRequest
+    ) -> AsyncGenerator[PoolingRequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
+from engine.pooling import PoolerSpec, PoolingParams
 from engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -24,6 +25,66 @@ class EngineInfo:
     block_size: int  # tokens per KV block
     num_kv_blocks: int  # the KV pool's size
     scheduling_policy: str = "fcfs"
+    # Set when the engine pools (embeddings) instead of generating.
+    pooler: PoolerSpec | None = None
+    max_num_batched_tokens: int = 2048  # a pooled input runs whole within one step's budget
+
+    @property
+    def runner(self) -> str:
+        return "generate" if self.pooler is None else "pooling"
+
+    def check_generates(self) -> None:
+        if self.pooler is not None:
+            raise InvalidRequestError(
+                "this model embeds (it was started with --runner pooling): it serves "
+                "/v1/embeddings, /v1/score and /v1/rerank, not text generation",
+                "model",
+            )
+
+    def validate_pooling(
+        self, prompt_ids: list[int], params: PoolingParams, field: str = "input"
+    ) -> None:
+        """What would make a pooling request fail inside a step; `field` names the request's
+        input field in the error."""
+        if self.pooler is None:
+            raise InvalidRequestError(
+                "this model generates text: embeddings need a server started with "
+                "--runner pooling on an embedding model",
+                "model",
+            )
+        if not prompt_ids:
+            raise InvalidRequestError("the input must not be empty", field)
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", field
+            )
+        limit = min(self.max_model_len, self.max_num_batched_tokens)
+        if len(prompt_ids) > limit:
+            which = (
+                f"the model's window (max_model_len) is {self.max_model_len}"
+                if limit == self.max_model_len
+                else f"max_num_batched_tokens is {self.max_num_batched_tokens}"
+            )
+            raise InvalidRequestError(
+                f"the input has {len(prompt_ids)} tokens and {which}; shorten it or set "
+                "truncate_prompt_tokens",
+                field,
+            )
+        dims = params.dimensions
+        if dims is not None:
+            if not self.pooler.supports_truncation:
+                raise InvalidRequestError(
+                    "this model does not support dimensions (it declares no Matryoshka "
+                    f"truncation); its embeddings have {self.pooler.dimensions}",
+                    "dimensions",
+                )
+            if not 1 <= dims <= self.pooler.dimensions:
+                raise InvalidRequestError(
+                    f"dimensions must be between 1 and {self.pooler.dimensions}, got {dims}",
+                    "dimensions",
+                )
 
     def check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority other than 0 means nothing to a first-come server, so it is
@@ -37,6 +98,7 @@ class EngineInfo:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything that would make the request fail inside a step is rejected here. Reads
         only this frozen info, so the event loop may call it while the engine thread steps."""
+        self.check_generates()
         if not prompt_ids:
             raise InvalidRequestError("the prompt must not be empty", "prompt")
         vocab = self.vocab_size

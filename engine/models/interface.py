@@ -27,6 +27,8 @@ class ArchitectureInfo:
     divisible: tuple[tuple[str, int], ...]
     # False when a forward reads values on the host (MoE routing): no CUDA graph capture
     graph_safe: bool = True
+    # An encoder (BERT): attends both ways, keeps no KV cache, only pools (no LM head).
+    encoder: bool = False
 
 
 class CausalLM(Protocol):

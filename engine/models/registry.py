@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    "BertModel": ("bert", "BertModel", "bert"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

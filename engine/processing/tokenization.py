@@ -19,6 +19,17 @@ def encode(
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
+def encode_truncated(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> list[int]:
+    """At most `max_tokens` tokens, special tokens included: the tokenizer drops text from its
+    truncation side and keeps the special tokens (BERT's [CLS] ... [SEP])."""
+    return list(tokenizer(text, truncation=True, max_length=max_tokens).input_ids)
+
+
+def truncate_ids(token_ids: list[int], max_tokens: int) -> list[int]:
+    """Token ids given as they are: the last `max_tokens` (vLLM's rule for token prompts)."""
+    return list(token_ids[-max_tokens:]) if len(token_ids) > max_tokens else list(token_ids)
+
+
 def encode_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],

@@ -58,6 +58,9 @@ class LocalExecutor:
         assert logits is not None
         return logits
 
+    def embed(self, batch: HostBatch) -> torch.Tensor:
+        return self.runner.embed(batch)
+
     def check(self) -> None:
         pass
 
@@ -224,6 +227,11 @@ class TensorParallelExecutor:
     def allocate_kv(self, num_blocks: int) -> None:
         self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))
         self.runner.allocate_kv(num_blocks)
+
+    def embed(self, batch: HostBatch) -> torch.Tensor:
+        raise RuntimeError(
+            "pooling runs on one device (refused at start-up under tensor parallelism)"
+        )
 
     def execute(self, batch: HostBatch) -> torch.Tensor:
         self._send(message(STEP, batch.pack()))

@@ -88,6 +88,14 @@ def profile_batch(num_tokens: int, num_seqs: int, max_model_len: int, block_size
     )
 
 
+def bookkeeping_blocks(config: EngineConfig, max_model_len: int, block_size: int) -> int:
+    """An encoder's pool: blocks that are counted but never allocated (it keeps no KV), enough
+    for a full step of sequences that each end in a partial block."""
+    scheduler = config.scheduler
+    step = -(-scheduler.max_num_batched_tokens // block_size) + scheduler.max_num_seqs
+    return max(step, -(-max_model_len // block_size))
+
+
 def fixed_pool_blocks(config: EngineConfig, bytes_per_block: int, on_gpu: bool) -> int | None:
     """The pool's size in blocks when a setting fixes it (or on a CPU); None: profile the GPU."""
     cache = config.cache

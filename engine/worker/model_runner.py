@@ -17,6 +17,7 @@ from engine.distributed.shard import Shard
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import ModelSpec
 from engine.models.interface import CausalLM
+from engine.pooling import pool
 from engine.worker.cpu import prepare_model
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.model_input import HostBatch, PinnedUpload
@@ -125,6 +126,17 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
+    @torch.inference_mode()
+    def embed(self, batch: HostBatch) -> torch.Tensor:
+        """One pooled embedding per sequence of an all-prefill step (each sequence whole),
+        float32 on the host. A decoder writes its K/V through the batch's slots as usual; the
+        engine frees those blocks right after."""
+        pooler = self.spec.pooler
+        assert pooler is not None, "embed() on a generating runner"
+        inp = batch.to_device(self.device, self.upload)
+        hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
+        return pool(hidden, batch.query_lens, pooler).cpu()
+
 
 def graphs_off_reason(
     config: EngineConfig, spec: ModelSpec, backend: AttentionBackend
@@ -132,6 +144,8 @@ def graphs_off_reason(
     """Why decode steps will run eagerly, or None when they will replay CUDA graphs."""
     if config.model.enforce_eager:
         return "--enforce-eager"
+    if spec.pooler is not None:
+        return "a pooling model runs every step as prefill"
     if not spec.device.startswith("cuda"):
         return f"not a CUDA device ({spec.device})"
     if not backend.graph_safe:
@@ -158,7 +172,8 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
     model = load_model(spec, shard, torch.device(device))
     invariant = config.model.batch_invariant
     backend = build_backend(spec.attention_backend, rows_alone=invariant)
-    if device == "cpu" and not config.model.enforce_eager:
+    # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
+    if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
         prepare_model(model, backend, log_here=shard.rank == 0, fixed_order=invariant)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
