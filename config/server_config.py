@@ -70,6 +70,12 @@ class ServerConfig(_Strict):
         description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
+    max_embedding_inputs: int = Field(
+        2048,
+        ge=1,
+        description="most inputs one /v1/embeddings request may hold (OpenAI's limit: 2048), and "
+        "most documents one score or rerank request may hold",
+    )
     tool_call_parser: ToolCallParserName = Field(
         "auto",
         description="the format this model writes tool calls in, read for tool_choice 'auto' "

@@ -18,11 +18,13 @@ from pydantic import BaseModel
 from config import ServerConfig
 from config.engine_config import default_cache_dir
 from engine.client import EngineClient, EngineDeadError
+from engine.errors import InvalidRequestError
 from engine.processing.tokenization import decode, encode
 from server.anthropic.errors import AnthropicErrors
 from server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest, TokenCount
 from server.anthropic.serving import count_tokens, create_message
-from server.errors import APIError, engine_dead, install_error_handlers
+from server.embeddings.route import pooling_router
+from server.errors import APIError, engine_dead, install_error_handlers, invalid
 from server.http.admission import GeneratingRoute, shutting_down
 from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
@@ -139,9 +141,20 @@ def create_app(
         if not engine.is_alive:
             raise unavailable()
 
+    def require_generating() -> None:
+        """An embedding model's server answers the generating routes with a 400 that says so."""
+        try:
+            engine.info.check_generates()
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), exc.param) from None
+
     def card(name: str) -> ModelCard:
         return ModelCard(
-            id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len
+            id=name,
+            created=state.created,
+            root=state.model_root,
+            max_model_len=state.max_model_len,
+            task="embed" if engine.info.pooler is not None else "generate",
         )
 
     generating = APIRouter(route_class=GeneratingRoute)
@@ -152,6 +165,7 @@ def create_app(
     ) -> Completion | StreamingResponse:
         log_ignored_fields(req)
         require_engine()
+        require_generating()
         return await create_completion(state, req, request)
 
     @generating.post("/v1/chat/completions", response_model=None)
@@ -160,6 +174,7 @@ def create_app(
     ) -> ChatCompletion | StreamingResponse:
         log_ignored_fields(req)
         require_engine()
+        require_generating()
         return await create_chat_completion(state, req, request)
 
     @generating.post("/v1/responses", response_model=None)
@@ -168,15 +183,23 @@ def create_app(
     ) -> JSONResponse | StreamingResponse:
         log_ignored_fields(req)
         require_engine()
+        require_generating()
         return await create_response(state, store, req, request)
 
     @generating.post("/v1/messages", response_model=None)
     async def messages(req: MessagesRequest, request: Request) -> Message | StreamingResponse:
         log_ignored_fields(req)
         require_engine()
+        require_generating()
         return await create_message(state, req, request)
 
     app.include_router(generating)
+
+    def before_pooling(req: BaseModel) -> None:
+        log_ignored_fields(req)
+        require_engine()
+
+    app.include_router(pooling_router(state, before_pooling))
 
     # vLLM's render routes (routers tokenize through them): prepared as their routes prepare
     # a request, nothing generated; no admission, as nothing is queued.

@@ -14,18 +14,23 @@ from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
 from config import ServerConfig
-from engine import RequestOutput
+from engine import PoolingRequestOutput, RequestOutput
 from engine.client import EngineClient
 from server.errors import APIError, model_not_found
 from server.http.admission import Gate
 
 T = TypeVar("T")
+# A generation's outputs, or a pooling request's one output: both pass the admission gate alike.
+Out = TypeVar("Out", RequestOutput, PoolingRequestOutput)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def served_model_names(engine: EngineClient, config: ServerConfig) -> list[str]:
-    return list(config.served_model_name or [engine.info.model or DEFAULT_MODEL_NAME])
+    info = engine.info
+    default = DEFAULT_MODEL_NAME if info.pooler is None else DEFAULT_EMBEDDING_MODEL_NAME
+    return list(config.served_model_name or [info.model or default])
 
 
 @dataclass
@@ -86,8 +91,8 @@ class ServerState:
         return requested
 
     async def generate(
-        self, request: Request, submitted: AsyncGenerator[RequestOutput, None]
-    ) -> AsyncGenerator[RequestOutput, None]:
+        self, request: Request, submitted: AsyncGenerator[Out, None]
+    ) -> AsyncGenerator[Out, None]:
         """The outputs of a request submitted to the engine (openai/inputs.py `submit`); the
         first one ends the HTTP request's wait in the admission gate's queue."""
         ticket = request.scope.get("state", {}).get("ticket")
@@ -101,7 +106,7 @@ class ServerState:
             async for output in outputs:
                 yield output
 
-    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _first_output(self, outputs: AsyncIterator[Out]) -> Out:
         limit = self.config.max_queue_time
         try:
             return await asyncio.wait_for(

@@ -304,6 +304,8 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None
     max_model_len: int
+    # What it serves: generate (completions, chat) or embed (embeddings, score, rerank).
+    task: Literal["generate", "embed"] = "generate"
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,131 @@
+"""From the inputs of a pooling request to engine requests: split, tokenized (truncated where
+asked), checked against the server's limits and the engine's, and submitted, all before any is
+queued; then run to their embeddings, a client that leaves aborting the rest."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+import torch
+from fastapi import Request
+from transformers import PreTrainedTokenizerBase
+
+from engine import PoolingParams, PoolingRequestOutput
+from engine.client import PoolingRequest
+from engine.processing.tokenization import encode, encode_truncated, truncate_ids
+from server.errors import APIError, invalid
+from server.http.streaming import merge, until_disconnected
+from server.state import ServerState
+
+RawInput = str | list[int]
+
+
+def require_pooling(state: ServerState) -> None:
+    """A generating model has no embeddings: refused by name, not with an engine error."""
+    if state.engine.info.pooler is None:
+        raise invalid(
+            "this model generates text and has no embeddings: embeddings, score and rerank "
+            "need a server started with --runner pooling on an embedding model",
+            "model",
+        )
+
+
+def split_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[RawInput]:
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]  # type: ignore[arg-type]  # one input of token ids
+    return list(value)  # type: ignore[arg-type]
+
+
+def check_count(state: ServerState, inputs: Sequence[object], field: str) -> None:
+    limit = state.config.max_embedding_inputs
+    if not inputs:
+        raise invalid(f"{field} must not be an empty list", field)
+    if len(inputs) > limit:
+        raise invalid(
+            f"{field} has {len(inputs)} items, more than this server's limit of {limit} "
+            "(--max-embedding-inputs)",
+            field,
+        )
+
+
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase, inputs: list[RawInput], truncate: int | None
+) -> list[list[int]]:
+    """All inputs in one trip off the event loop."""
+    out = []
+    for item in inputs:
+        if isinstance(item, str):
+            ids = (
+                encode(tokenizer, item)
+                if truncate is None
+                else encode_truncated(tokenizer, item, truncate)
+            )
+        else:
+            ids = list(item) if truncate is None else truncate_ids(item, truncate)
+        out.append(ids)
+    return out
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """The embeddings of a request's inputs, in order, and the tokens they took."""
+
+    vectors: list[torch.Tensor]
+    prompt_tokens: int
+
+
+async def embed_inputs(
+    state: ServerState,
+    request: Request,
+    request_id: str,
+    inputs: list[RawInput],
+    field: str,
+    truncate: int | None,
+    params: PoolingParams,
+) -> Pooled:
+    for item in inputs:
+        if isinstance(item, str) and not item:
+            raise invalid(f"{field} must not hold an empty string", field)
+    window = state.max_model_len
+    if truncate is not None:
+        if truncate == -1:
+            truncate = window
+        if not 1 <= truncate <= window:
+            raise invalid(
+                f"truncate_prompt_tokens must be -1 or between 1 and the model's window {window}, "
+                f"got {truncate}",
+                "truncate_prompt_tokens",
+            )
+    token_ids = await state.off_loop(_tokenize, state.tokenizer, inputs, truncate)
+    limit = state.config.max_prompt_tokens
+    submitted: list[AsyncGenerator[PoolingRequestOutput, None]] = []
+    for i, (item, ids) in enumerate(zip(inputs, token_ids)):
+        if limit is not None and len(ids) > limit:
+            raise invalid(
+                f"{field} {i} has {len(ids)} tokens, more than this server's limit of {limit} "
+                "(--max-prompt-tokens)",
+                field,
+            )
+        submitted.append(
+            await state.engine.submit_pooling(
+                PoolingRequest(f"{request_id}-{i}", item, ids, params, field)
+            )
+        )
+    streams = [state.generate(request, s) for s in submitted]
+
+    async def collect() -> list[PoolingRequestOutput]:
+        finals: dict[int, PoolingRequestOutput] = {}
+        async for i, output in merge(streams):
+            finals[i] = output
+        return [finals[i] for i in range(len(streams))]
+
+    finals = await until_disconnected(request, collect())
+    vectors = []
+    for out in finals:
+        if out.outputs is None:  # aborted: the engine is shutting down
+            raise APIError(503, "the request was aborted", type="service_unavailable")
+        vectors.append(out.outputs.data)
+    return Pooled(vectors, sum(len(ids) for ids in token_ids))
