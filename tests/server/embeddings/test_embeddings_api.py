@@ -288,6 +288,8 @@ def chat_server(llama_dir, tmp_path_factory):
 def test_chat_model_refuses_embeddings(chat_server, encoding_format: str) -> None:
     for path, body in (
         ("/v1/embeddings", {"input": "hi", "encoding_format": encoding_format}),
+        ("/v1/rerank", {"query": "q", "documents": ["d"]}),
+        ("/v1/score", {"text_1": "q", "text_2": "d"}),
     ):
         response = _post(chat_server, body, path)
         assert response.status_code == 400, response.text
