@@ -50,6 +50,19 @@ def test_64_mixed_lengths_in_one_step_match_transformers(llm: LLM) -> None:
     _assert_idle(llm)
 
 
+def test_equals_sentence_transformers_encode(llm: LLM) -> None:
+    """sentence-transformers' own pipeline (its tokenizer settings, Pooling and Normalize
+    modules read from the same files), batched as it batches."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.support.embedding import minilm_dir
+
+    st = SentenceTransformer(str(minilm_dir()), device="cpu")
+    texts = mixed_texts(64)
+    expected = torch.from_numpy(st.encode(texts, batch_size=16))
+    assert cosines(_vectors(llm.embed(texts)), expected).min() >= 0.99999
+
+
 def test_token_id_inputs(llm: LLM) -> None:
     ids = minilm_tokenizer()("token ids given directly").input_ids
     (out,) = llm.embed(ids)
