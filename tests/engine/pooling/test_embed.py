@@ -164,3 +164,27 @@ def test_decoder_pooling_matches_transformers(llama_dir, pooling_type: str) -> N
         assert cosines(row, torch.nn.functional.normalize(pick, dim=0)) >= 0.99999
         assert abs(float(row.norm()) - 1.0) < 1e-5
     _assert_idle(llm)
+
+
+def test_matryoshka_dimensions(llama_dir, tmp_path) -> None:
+    """A checkpoint that declares Matryoshka dimensions: `dimensions` keeps a prefix of the
+    embedding, normalized again; beyond the model's size it is refused."""
+    import json
+
+    folder = tmp_path / "matryoshka"
+    folder.mkdir()
+    for item in llama_dir.iterdir():
+        (folder / item.name).symlink_to(item)
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"matryoshka_dimensions": [64, 16]})
+    )
+    llm = LLM(model=str(folder), runner="pooling", dtype="float32")
+    prompt = list(range(7, 40))
+    (full,) = llm.embed(prompt)
+    (cut,) = llm.embed(prompt, PoolingParams(dimensions=16))
+    assert cut.outputs is not None and full.outputs is not None
+    expected = torch.nn.functional.normalize(full.outputs.data[:16], dim=0)
+    assert torch.allclose(cut.outputs.data, expected, atol=1e-6)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.embed(prompt, PoolingParams(dimensions=65))
+    assert info.value.param == "dimensions"
