@@ -38,7 +38,7 @@ TESTS_S=${GPU_CHECK_TESTS_S:-240}
 BENCH_S=${GPU_CHECK_BENCH_S:-420}
 SERVE_S=${GPU_CHECK_SERVE_S:-240}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
-GPU_TESTS=(tests/gpu/test_gpu.py tests/kernels/attention/test_triton_kernels.py)
+GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_pooling.py tests/kernels/attention/test_triton_kernels.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.
