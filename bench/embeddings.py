@@ -2,9 +2,9 @@
 `encode` (or, where it is not installed, transformers' BertModel with the checkpoint's pooling),
 on the bundled all-MiniLM-L6-v2, inputs of exactly `--input-len` tokens, batches of 1, 16 and 64,
 in one process on the same cores. Each side embeds the same texts (tokenizing included); the
-best of `--runs` timed rounds per batch size is reported, after one warm-up round.
+sides alternate call by call and each side's median call gives its rate, after one warm-up call.
 
-    python bench/embeddings.py [--input-len 64] [--batches 1,16,64] [--rounds 8] [--runs 3]
+    python bench/embeddings.py [--input-len 64] [--batches 1,16,64] [--calls 12]
         [--dtypes float32,bfloat16]
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -72,21 +73,20 @@ def make_texts(tokenizer, count: int, length: int) -> list[str]:
     return texts
 
 
-def best_rates(
-    sides: list[Callable[[list[str]], object]], texts: list[str], rounds: int, runs: int
+def median_rates(
+    sides: list[Callable[[list[str]], object]], texts: list[str], calls: int
 ) -> list[float]:
-    """Each side's best rate (embeddings/s); the sides take turns run by run, so that a change
-    in the machine's load falls on both alike."""
+    """Each side's rate (embeddings/s) from its median call; the sides take turns call by call,
+    so that a change in the machine's load falls on both alike."""
     for run in sides:
         run(texts)  # warm-up: first-call allocations, thread pools
-    best = [0.0] * len(sides)
-    for _ in range(runs):
+    times: list[list[float]] = [[] for _ in sides]
+    for _ in range(calls):
         for i, run in enumerate(sides):
             started = time.perf_counter()
-            for _ in range(rounds):
-                run(texts)
-            best[i] = max(best[i], rounds * len(texts) / (time.perf_counter() - started))
-    return best
+            run(texts)
+            times[i].append(time.perf_counter() - started)
+    return [len(texts) / statistics.median(t) for t in times]
 
 
 def reference(path: str) -> tuple[str, Callable[[list[str]], object]]:
@@ -112,8 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--rounds", type=int, default=8, help="batches per timed run")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=12, help="timed calls per side and batch")
     parser.add_argument(
         "--dtypes", default="float32,bfloat16", help="pagedserve's dtypes (the reference: float32)"
     )
@@ -136,9 +135,7 @@ def main() -> None:
     print(f"{'batch':>5}{header}{'reference':>12}  (embeddings/s; ratio to the reference)")
     for batch in batches:
         chunk = texts[:batch]
-        rates = best_rates(
-            [llm.embed for llm in engines.values()] + [encode], chunk, args.rounds, args.runs
-        )
+        rates = median_rates([llm.embed for llm in engines.values()] + [encode], chunk, args.calls)
         ours, theirs = rates[:-1], rates[-1]
         cells = "".join(f"{r:>15.1f} ({r / theirs:.2f})" for r in ours)
         print(f"{batch:>5}{cells}{theirs:>12.1f}")
