@@ -9,12 +9,14 @@ from config.engine_config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from config.kv_events_config import KVEventsConfig
 from config.server_config import ServeConfig, ServerConfig
 
 __all__ = [
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
+    "KVEventsConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

@@ -10,7 +10,16 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from config.kv_events_config import KVEventsConfig, parse_kv_events_config
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -136,6 +145,17 @@ class CacheConfig(_Strict):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of shared prompt prefixes"
     )
+    kv_events_config: KVEventsConfig | None = Field(
+        None,
+        description="publish KV cache events (blocks stored, evicted, cleared) over ZMQ for "
+        "prefix-aware routers, in vLLM's format: a JSON object of vLLM's keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
+    )
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _parse_kv_events_config(cls, value: object) -> KVEventsConfig | None:
+        return parse_kv_events_config(value)
 
     @model_validator(mode="after")
     def _power_of_two(self) -> CacheConfig:

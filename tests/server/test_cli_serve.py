@@ -105,6 +105,20 @@ def test_hub_settings_from_flags_environment_file_and_kwargs(tmp_path: Path) -> 
         ({}, {}, "- just\n- a list\n", ["expected a mapping"]),
         ({}, {"PAGEDSERVE_METRICS_NAMES": "prom"}, None, ["--metrics-names", "'vllm'"]),
         ({}, {}, "port: [\n", ["cannot read"]),
+        # vLLM's JSON flag: bad JSON, an unknown key, a bad value, from each source.
+        (
+            {"kv_events_config": '{"enable_kv_cache_events": tru'},
+            {},
+            None,
+            ["--kv-events-config", "not valid JSON"],
+        ),
+        (
+            {},
+            {"PAGEDSERVE_KV_EVENTS_CONFIG": '{"enable_kv_cache_events": true, "port": 5557}'},
+            None,
+            ["--kv-events-config", "unknown key 'port'", "endpoint"],
+        ),
+        ({}, {}, "kv-events-config: {hwm: -1}\n", ["--kv-events-config", "'hwm'", "-1"]),
     ],
 )
 def test_bad_settings_name_their_flag(
@@ -127,6 +141,8 @@ def test_bad_settings_name_their_flag(
 def test_serve_refuses_bad_flags_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--block-size", "24"]) == 2
     assert "--block-size" in capsys.readouterr().err
+    assert cli.main(["serve", "--kv-events-config", "{oops"]) == 2
+    assert "--kv-events-config: Value error, not valid JSON" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the README, for real
