@@ -19,7 +19,9 @@ from engine.core.scheduler_output import Sample, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
-from engine.loading.model_spec import resolve_model_spec
+from engine.kv_events.publisher import KVEventPublisher
+from engine.kv_events.wire import CacheSpec
+from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
 from engine.outputs import EmbeddingOutput, EngineOutput, PoolingRequestOutput
 from engine.pooling import PoolingParams
@@ -72,6 +74,25 @@ class LLMEngine:
             num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
+        windows = spec.info.sliding_windows
+        # Blocks can be freed behind the windows only when every layer has one.
+        slide = None if None in windows else max(w for w in windows if w is not None)
+        # Opened before anything heavy, so that a bad --kv-events-config endpoint fails fast.
+        events = config.cache.kv_events_config
+        self.kv_events: KVEventPublisher | None = None
+        if events is not None and events.enabled:
+            self.kv_events = KVEventPublisher(events, CacheSpec(self.block_size, slide))
+        try:
+            self._start(config, spec, num_blocks, slide)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close(timeout=0)
+            raise
+
+    def _start(
+        self, config: EngineConfig, spec: ModelSpec, num_blocks: int | None, slide: int | None
+    ) -> None:
+        per_block, encoder = spec.kv_bytes_per_block, spec.info.encoder
         # The tokenizer is read here, where it is used: tensor-parallel workers never need it.
         self.tokenizer = load_tokenizer(spec.tokenizer_path)
         # Thread-safe: the server compiles a request's grammar here before queueing it.
@@ -114,12 +135,11 @@ class LLMEngine:
             pooler=spec.pooler,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
-        windows = spec.info.sliding_windows
-        # Blocks can be freed behind the windows only when every layer has one.
-        slide = None if None in windows else max(w for w in windows if w is not None)
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
-        self.kv = KVCacheManager(num_blocks, self.block_size, caching, slide)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, caching, slide, record_events=self.kv_events is not None
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}
@@ -261,8 +281,11 @@ class LLMEngine:
         self.executor.check()
 
     def close(self) -> None:
-        """Stop the worker processes, if any; the engine cannot step afterwards."""
+        """Stop the worker processes, if any, and the KV event publisher; the engine cannot
+        step afterwards."""
         self.executor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ----------------------------------------------------------------- one step
 
@@ -270,6 +293,7 @@ class LLMEngine:
         """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self._publish_kv_events()
             return []
         self._record_scheduled(out)
         self.step_shape = (len(out.scheduled), out.num_tokens)
@@ -280,6 +304,7 @@ class LLMEngine:
         self._record_prompt_logprobs(out, batch.logits_rows, logits)
         samples = self._sample(out, batch.logits_rows, logits)
         self.scheduler.update_from_output(out, samples, self.max_model_len)
+        self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
         return self._make_outputs(out.samplers, samples)
 
     def _pool(self, out: SchedulerOutput, batch: HostBatch) -> list[PoolingRequestOutput]:
@@ -310,6 +335,10 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
 
     def _sample(
         self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
@@ -387,6 +416,8 @@ class LLMEngine:
         stats.num_waiting = len(scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage()
         stats.num_free_blocks = self.kv.pool.num_free
+        if self.kv_events is not None:
+            stats.kv_events_dropped = self.kv_events.take_dropped()
         return stats
 
     def _record_scheduled(self, out: SchedulerOutput) -> None:

@@ -38,6 +38,7 @@ class EngineStats:
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    kv_events_dropped: int = 0  # KV event batches dropped on the publisher's full queue
     prompt_tokens: int = 0
     generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)

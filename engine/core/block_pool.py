@@ -4,11 +4,16 @@ A block whose ref count drops to 0 goes back to the free pool but keeps its hash
 request with the same prefix can take it back (a hit). Free blocks without a hash are handed
 out first; cached free blocks are evicted least-recently-freed first. Both free sets are
 insertion-ordered dicts, so a hit removes its block in O(1).
+
+With KV events on, an eviction is recorded (one BlockRemoved per allocation that evicts);
+stores are recorded by the KV cache manager, which knows the blocks' tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.kv_events.events import BlockRemoved, KVEventRecorder
 
 BlockHash = bytes
 
@@ -25,8 +30,11 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None
+    ) -> None:
         self.num_blocks = num_blocks
+        self.events = events
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free_plain: dict[int, None] = dict.fromkeys(range(num_blocks))
@@ -48,6 +56,7 @@ class BlockPool:
         if count > self.num_free:
             raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free} free")
         ids = []
+        evicted: list[BlockHash] = []
         for _ in range(count):
             if self._free_plain:
                 block_id = next(iter(self._free_plain))
@@ -55,9 +64,13 @@ class BlockPool:
             else:
                 block_id = next(iter(self._free_cached))
                 del self._free_cached[block_id]
-                self._evict(self.blocks[block_id])
+                gone = self._evict(self.blocks[block_id])
+                if gone is not None:
+                    evicted.append(gone)
             self.blocks[block_id].ref_cnt = 1
             ids.append(block_id)
+        if evicted and self.events is not None:
+            self.events.events.append(BlockRemoved(evicted))
         return ids
 
     def take(self, block_id: int) -> None:
@@ -81,20 +94,30 @@ class BlockPool:
                 else:
                     self._free_cached[block_id] = None
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a full block under its chained hash (the first block with that content wins)."""
+    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a full block under its chained hash (the first block with that content
+        wins); whether this block was registered."""
         if not self.enable_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block_id
+            return True
+        return False
 
-    def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            del self._cached[block.block_hash]
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every hash a lookup can find now (what KV event subscribers should believe)."""
+        return set(self._cached)
+
+    def _evict(self, block: KVBlock) -> BlockHash | None:
+        """Drop a block's hash from the cache; the hash dropped, if it had one."""
+        gone = block.block_hash
+        if gone is not None:
+            del self._cached[gone]
             block.block_hash = None
             self.num_evictions += 1
+        return gone
 
     def check_consistency(self, expected_refs: dict[int, int]) -> None:
         """Assert the pool agrees with the references the tables hold (tests and debugging)."""

@@ -18,6 +18,7 @@ from array import array
 
 from engine.core.block_pool import BlockHash, BlockPool
 from engine.core.sequence import Sequence
+from engine.kv_events.events import BlockStored, KVEvent, KVEventRecorder
 
 SLID_PAST = -1  # a table entry whose block every layer's window has left behind
 
@@ -33,12 +34,15 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         sliding_window: int | None = None,
+        record_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # the widest window, when every layer has one
         self._num_slid: dict[str, int] = {}
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # KV events (stores here, evictions in the pool), taken once per step by the engine.
+        self.events = KVEventRecorder() if record_events else None
+        self.pool = BlockPool(num_blocks, enable_caching, self.events)
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
@@ -129,9 +133,36 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(seq, num_full)
+        run_start = None  # the first block of the run of newly registered blocks
         for i in range(done, num_full):
-            self.pool.cache(table[i], hashes[i])
+            if self.pool.cache(table[i], hashes[i]):
+                if run_start is None:
+                    run_start = i
+            elif run_start is not None:
+                self._record_stored(seq, hashes, run_start, i)
+                run_start = None
+        if run_start is not None:
+            self._record_stored(seq, hashes, run_start, num_full)
         self._num_registered[seq.seq_id] = num_full
+
+    def _record_stored(self, seq: Sequence, hashes: list[BlockHash], start: int, end: int) -> None:
+        """One BlockStored for blocks [start, end) of the sequence: a block already cached
+        under another copy is not stored again, so a run ends there (its hash is still the
+        next run's parent, as the chain says)."""
+        if self.events is None:
+            return
+        bs = self.block_size
+        self.events.events.append(
+            BlockStored(
+                hashes[start:end],
+                hashes[start - 1] if start > 0 else None,
+                seq.all_token_ids[start * bs : end * bs],
+                bs,
+            )
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        return self.events.take() if self.events is not None else []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (shared, ref counted); writes copy on demand."""

@@ -144,6 +144,11 @@ class EngineMetrics:
             "Time a request waited because the KV pool had no room (part of its queue time).",
             KV_WAIT_BUCKETS,
         ).labels(*m)
+        self.kv_events_dropped = counter(
+            "kv_events_dropped",
+            "KV event batches dropped because the publisher's queue was full (the next batch "
+            "then clears the subscribers' view).",
+        ).labels(*m)
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(*m)
@@ -209,6 +214,7 @@ class EngineMetrics:
         for reason, count in stats.preemptions_by_reason.items():
             self.preemptions_by_reason[reason].inc(count)
         self.free_blocks.set(stats.num_free_blocks)
+        self.kv_events_dropped.inc(stats.kv_events_dropped)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.prompt_tokens.inc(stats.prompt_tokens)

@@ -365,6 +365,7 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
             "pagedserve:kv_preemptions": "counter",
             "pagedserve:request_kv_wait_time_seconds": "histogram",
             "pagedserve:kv_cache_free_blocks": "gauge",
+            "pagedserve:kv_events_dropped": "counter",
         }
         reasons = set()
         for family in families:
@@ -437,6 +438,7 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
                 ("request_rejected", ("_total", "_created")),
                 ("kv_preemptions", ("_total", "_created")),
                 ("kv_cache_free_blocks", ("",)),
+                ("kv_events_dropped", ("_total", "_created")),
                 ("request_kv_wait_time_seconds", ("_bucket", "_count", "_sum", "_created")),
             )
             for suffix in suffixes

@@ -1,0 +1,42 @@
+"""The events the KV cache records during a step, in the engine's own terms (raw chained
+block hashes); engine/kv_events/wire.py turns them into vLLM's messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A run of consecutive full blocks of one sequence entered the prefix cache."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # the chain's previous block; None at a prompt's start
+    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Cached blocks were evicted: their hashes no longer find anything."""
+
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Forget every block of this engine (a fresh start, or a resync after lost batches)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass
+class KVEventRecorder:
+    """Collects a step's events on the engine thread: appends only, nothing encoded here."""
+
+    events: list[KVEvent] = field(default_factory=list)
+
+    def take(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
