@@ -44,6 +44,13 @@ YAML_FILES = {
     "k8s/pvc.yaml",
     "k8s/hpa.yaml",
     "k8s/prometheus-adapter-rules.yaml",
+    "llm-d/pagedserve.yaml",
+    "llm-d/inferencepool.yaml",
+    "llm-d/httproute.yaml",
+    "llm-d/endpoint-picker.yaml",
+    "llm-d/endpoint-picker-config.yaml",
+    "llm-d/endpoint-picker-service.yaml",
+    "llm-d/endpoint-picker-rbac.yaml",
 }
 
 # Every metric family the dashboard is meant to chart (the cache-config info gauge is not one).
