@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -143,6 +144,23 @@ def test_serve_refuses_bad_flags_before_loading(capsys: pytest.CaptureFixture[st
     assert "--block-size" in capsys.readouterr().err
     assert cli.main(["serve", "--kv-events-config", "{oops"]) == 2
     assert "--kv-events-config: Value error, not valid JSON" in capsys.readouterr().err
+
+
+def test_readme_kv_events_command_resolves_to_vllms_settings() -> None:
+    """The README's --kv-events-config example is what the server would publish with."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### KV cache events for prefix-aware routers\n") :]
+    (command,) = re.findall(r"```bash\n(.*?)```", section[: section.index("\n### ", 1)], re.S)
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == ["pagedserve", "serve"]
+    args = vars(cli.build_parser().parse_args(argv[1:]))
+    args.pop("command")
+    config = serve_config(args, {}, args.pop("config"))
+    events = config.engine.cache.kv_events_config
+    assert events is not None and events.enabled and events.publisher == "zmq"
+    assert (events.endpoint, events.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+    assert events.topic == "kv@10.0.0.7:8000@my-model"
+    assert config.engine.cache.block_size == 64 and config.server.metrics_names == "vllm"
 
 
 # --------------------------------------------------------------------------- the README, for real
