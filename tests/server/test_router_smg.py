@@ -2,14 +2,18 @@
 front of two replicas on the default model, over loopback. The same multi-turn workload (each
 turn resends the conversation so far) goes through the router under `round_robin`, then under
 `cache_aware`: routing each conversation back to the replica that holds its prefix must show in
-the replicas' own prefix-cache counters."""
+the replicas' own prefix-cache counters. Under `least_load`, a replica kept busy gets few of
+the new requests."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -18,14 +22,15 @@ import pytest
 from tests.support.server_harness import (
     MODEL,
     Daemon,
+    Samples,
     free_port,
     scrape,
     start_daemon,
     stop,
-    value,
     wait_until_answering,
 )
 
+MAX_NUM_SEQS = 4
 CONVERSATIONS = 3  # odd: round robin over two replicas then alternates each conversation's turns
 TURNS = 4
 WORDS = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor", "island"]
@@ -42,7 +47,16 @@ def replicas(
             started.append(
                 start_daemon(
                     folder,
-                    [str(default_model_dir), "--served-model-name", MODEL, "--max-num-seqs", "4"],
+                    [
+                        str(default_model_dir),
+                        "--served-model-name",
+                        MODEL,
+                        "--max-num-seqs",
+                        str(MAX_NUM_SEQS),
+                        # vLLM's metric names: SMG reads a vLLM-like worker's load from them.
+                        "--metrics-names",
+                        "vllm",
+                    ],
                     env={"PAGEDSERVE_CACHE_DIR": str(folder)},
                 )
             )
@@ -52,7 +66,15 @@ def replicas(
             stop(daemon)
 
 
-def router(replicas: list[Daemon], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """A replica's series under vLLM's name and labels (--metrics-names vllm)."""
+    key = tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items()))
+    return samples.get(("vllm:" + name, key), 0.0)
+
+
+def router(
+    replicas: list[Daemon], policy: str, log: Path, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     # Installed beside this interpreter by the dev extra (PATH may not hold the venv's bin).
     beside = Path(sys.executable).parent / "smg"
     binary = shutil.which("smg") or (str(beside) if beside.exists() else None)
@@ -64,6 +86,7 @@ def router(replicas: list[Daemon], policy: str, log: Path) -> tuple[subprocess.P
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--policy", policy,
         "--worker-urls", *(r.url for r in replicas),
+        *extra,
     ]  # fmt: skip
     process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -130,3 +153,85 @@ def test_cache_aware_routing_keeps_conversations_on_their_prefix(
     # Under cache_aware every turn after the first finds the whole previous turn cached; under
     # round robin each turn lands on the replica that saw the turn before last.
     assert kept > spread + 0.15, (kept, spread)
+
+
+def hog(url: str, stop: threading.Event) -> None:
+    """A long generation sent straight to one replica, streamed until `stop` (then the client
+    goes away and the replica aborts it)."""
+    body = {
+        "model": MODEL,
+        "prompt": "Count:",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", url + "/v1/completions", json=body) as response,
+    ):
+        for _ in response.iter_lines():
+            if stop.is_set():
+                return
+
+
+def short_request(url: str, i: int) -> int:
+    body = {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": 4, "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+
+
+def test_least_load_sends_new_requests_away_from_a_busy_replica(
+    replicas: list[Daemon], tmp_path: Path
+) -> None:
+    busy, _ = replicas
+    before = [scrape(r.url) for r in replicas]
+    stop_hogs = threading.Event()
+    # The busy replica's whole batch taken by long generations that did not come through the
+    # router, as many again waiting behind them: a request routed to it waits too.
+    hogs = [
+        threading.Thread(target=hog, args=(busy.url, stop_hogs)) for _ in range(2 * MAX_NUM_SEQS)
+    ]
+    for thread in hogs:
+        thread.start()
+    # least_load weighs each worker by the load it last polled from its /metrics: poll often.
+    process, url = router(
+        replicas,
+        "least_load",
+        tmp_path / "smg-least_load.log",
+        ("--load-monitor-interval", "1"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while value(scrape(busy.url), "num_requests_waiting") < MAX_NUM_SEQS:
+            assert time.monotonic() < deadline, "the busy replica never filled its queue"
+            time.sleep(0.2)
+        time.sleep(2)  # a poll or two of the router sees it
+        # One at a time: the router counts its own dispatches since the last poll as load, so
+        # a burst of concurrent requests would make the idle replica look busy too.
+        n = 8
+        with ThreadPoolExecutor(1) as pool:
+            futures = [pool.submit(short_request, url, i) for i in range(n)]
+            # Wait while requests still complete; the ones stuck behind the hogs finish once
+            # the hogs are stopped.
+            done, last_progress = 0, time.monotonic()
+            while done < n and time.monotonic() - last_progress < 8:
+                time.sleep(0.5)
+                now_done = sum(f.done() for f in futures)
+                if now_done > done:
+                    done, last_progress = now_done, time.monotonic()
+            stop_hogs.set()
+            assert [f.result() for f in futures] == [200] * n
+    finally:
+        stop_hogs.set()
+        for thread in hogs:
+            thread.join(30)
+        process.terminate()
+        process.wait(10)
+    after = [scrape(r.url) for r in replicas]
+    served = [
+        value(a, "request_success_total", finished_reason="length")
+        - value(b, "request_success_total", finished_reason="length")
+        for a, b in zip(after, before)
+    ]
+    assert sum(served) == n
+    # Round robin would give each replica half; least load sends them to the idle one.
+    assert served[1] >= n - 1, served
