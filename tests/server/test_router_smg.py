@@ -3,11 +3,15 @@ front of two replicas on the default model, over loopback. The same multi-turn w
 turn resends the conversation so far) goes through the router under `round_robin`, then under
 `cache_aware`: routing each conversation back to the replica that holds its prefix must show in
 the replicas' own prefix-cache counters. Under `least_load`, a replica kept busy gets few of
-the new requests."""
+the new requests. A replica killed under load: its in-flight streams end visibly, never hang,
+the router keeps serving from the other, and the replica restarted on its port rejoins."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -235,3 +239,102 @@ def test_least_load_sends_new_requests_away_from_a_busy_replica(
     assert sum(served) == n
     # Round robin would give each replica half; least load sends them to the idle one.
     assert served[1] >= n - 1, served
+
+
+def stream(url: str, i: int) -> str:
+    """A streamed completion through the router: 'done' when it reached its length and
+    [DONE], 'broken' when it ended early (the connection dropped, an error event came, or the
+    stream closed without a finish reason), 'error' on an error status."""
+    body = {
+        "model": MODEL,
+        "prompt": f"Story {i}:",
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", url + "/v1/completions", json=body) as response,
+        ):
+            if response.status_code != 200:
+                return "error"
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError:
+        return "broken"
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    finished = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    if (
+        data
+        and data[-1] == "[DONE]"
+        and "length" in finished
+        and not any("error" in c for c in chunks)
+    ):
+        return "done"
+    return "broken"
+
+
+def restart(daemon: Daemon) -> Daemon:
+    """The same command line again, on the same port (the router knows the replica by URL)."""
+    folder = daemon.log.parent
+    process = subprocess.Popen(
+        daemon.process.args,
+        stdout=(folder / "serve-restarted.log").open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(folder)},
+    )
+    again = Daemon(process, daemon.url, folder / "serve-restarted.log")
+    try:
+        wait_until_answering(again.url + "/health", process, again.log, timeout=180)
+    except BaseException:
+        process.kill()
+        raise
+    return again
+
+
+def test_a_killed_replica_fails_its_streams_visibly_and_rejoins_after_restart(
+    replicas: list[Daemon], tmp_path: Path
+) -> None:
+    victim, survivor = replicas
+    # Short health checks, so that the router notices the death and the return within seconds.
+    process, url = router(
+        replicas,
+        "round_robin",
+        tmp_path / "smg-failure.log",
+        (
+            "--health-check-interval-secs", "1",
+            "--health-failure-threshold", "1",
+            "--health-success-threshold", "1",
+        ),
+    )  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream, url, i) for i in range(2)]  # one on each replica
+            deadline = time.monotonic() + 60
+            while value(scrape(victim.url), "num_requests_running") < 1:
+                assert time.monotonic() < deadline, "the streams never reached the victim"
+                time.sleep(0.1)
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait(10)
+            # Every stream ends by itself (never a hang): the one on the dead replica broken
+            # (SMG closes it with [DONE] but no finish reason), the other complete.
+            outcomes = sorted(f.result(timeout=300) for f in streams)
+        assert outcomes == ["broken", "done"], outcomes
+
+        # The router keeps serving, from the survivor.
+        before = scrape(survivor.url)
+        for i in range(4):
+            assert short_request(url, i) == 200
+        served = value(scrape(survivor.url), "request_success_total", finished_reason="length")
+        assert served - value(before, "request_success_total", finished_reason="length") == 4
+
+        # Restarted on its port, the replica gets requests again.
+        replicas[0] = victim = restart(victim)  # the fixture stops this process at the end
+        deadline = time.monotonic() + 60
+        while value(scrape(victim.url), "request_success_total", finished_reason="length") == 0:
+            assert time.monotonic() < deadline, "the restarted replica never got a request"
+            assert short_request(url, 99) == 200
+            time.sleep(0.5)
+    finally:
+        process.terminate()
+        process.wait(10)
