@@ -5,10 +5,11 @@ engine's own host work and any cost of the events shows in full).
     python bench/kv_events_cost.py [--batch 64] [--block-sizes 16 2] [--steps 200] [--rounds 3]
 
 Every sequence decodes greedily (EOS ignored) from a 32-token prompt; the timed steps start
-once every prompt is in. "on" publishes to a PUB socket bound on loopback, drained by a
+once every prompt is in; each step is timed in wall time and in the engine thread's own CPU
+time (which other processes on a busy machine do not inflate). "on" publishes to a PUB socket bound on loopback, drained by a
 subscriber in another process that counts what it decodes; block size 2 stores a block for
 every sequence every other step, far more events than a real block size gives. Rounds
-alternate off and on, so drift on a busy machine hits both alike.
+alternate which of off and on runs first, so drift on a busy machine hits both alike.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def free_port() -> int:
 
 def step_ms(
     folder: Path, batch: int, block_size: int, steps: int, events: bool
-) -> tuple[float, str]:
+) -> tuple[float, float, str]:
     max_len = PROMPT_LEN + steps + 16
     kwargs: dict[str, object] = {}
     sub = None
@@ -91,11 +92,12 @@ def step_ms(
         engine.add_request(prompt, params, prompt_token_ids=prompt)
     for _ in range(3):  # every prompt in, then a decode step or two
         engine.step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         engine.step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
     note = ""
     if sub is not None:
         publisher = engine.kv_events
@@ -107,7 +109,7 @@ def step_ms(
         note = f"  ({batches} batches, {n} events received, {publisher.num_dropped} dropped)"
     else:
         llm.close()
-    return statistics.median(times) * 1e3, note
+    return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3, note
 
 
 def main() -> None:
@@ -134,11 +136,12 @@ def main() -> None:
         )
         for block_size in args.block_sizes:
             for r in range(args.rounds):
-                for events in (False, True):
-                    ms, note = step_ms(folder, args.batch, block_size, args.steps, events)
+                # Off first in odd rounds, on first in even ones: drift favours neither.
+                for events in (False, True) if r % 2 == 0 else (True, False):
+                    ms, cpu_ms, note = step_ms(folder, args.batch, block_size, args.steps, events)
                     print(
                         f"block {block_size:3d} round {r + 1} events {'on ' if events else 'off'}: "
-                        f"median step {ms:6.3f} ms{note}",
+                        f"median step {ms:6.3f} ms wall, {cpu_ms:6.3f} ms engine-thread CPU{note}",
                         flush=True,
                     )
 
