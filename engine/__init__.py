@@ -1,5 +1,6 @@
 """Everything behind the request queue: scheduler, KV blocks, model runner, sampler, outputs."""
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -9,6 +10,9 @@ from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingOutput",
     "InvalidRequestError",

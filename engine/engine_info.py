@@ -95,6 +95,21 @@ class EngineInfo:
                 "priority",
             )
 
+    def _check_beam_room(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Preempted beams recompute apart (sharing only what the prefix cache still holds),
+        so the pool must hold every beam at full length unshared, or a search could wait for
+        room that never comes."""
+        longest = self.max_model_len
+        if params.max_tokens is not None:
+            longest = min(longest, num_prompt_tokens + params.max_tokens)
+        needed = params.n * -(-longest // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"beam search with n={params.n} over {longest} tokens may need {needed} KV "
+                f"blocks; the pool has {self.num_kv_blocks}",
+                "n",
+            )
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything that would make the request fail inside a step is rejected here. Reads
         only this frozen info, so the event loop may call it while the engine thread steps."""
@@ -116,6 +131,8 @@ class EngineInfo:
         params.validate()
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        if params.use_beam_search:
+            self._check_beam_room(len(prompt_ids), params)
         for name, value in (
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -148,6 +149,33 @@ class LLM:
         if isinstance(prompt, str):
             return encode_truncated(self.tokenizer, prompt, truncate)
         return truncate_ids(list(prompt), truncate)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """One output per prompt, in order: the `beam_width` best sequences, best first (by
+        cumulative logprob / generated length ** length_penalty)."""
+        outputs = self.generate(prompts, params.to_sampling_params())
+        results = []
+        for out in outputs:
+            sequences = []
+            for o in out.outputs:
+                cum = o.cumulative_logprob
+                assert cum is not None  # a beam search output always carries it
+                stop = o.stop_reason if isinstance(o.stop_reason, int) else None
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=[*out.prompt_token_ids, *o.token_ids],
+                        output_token_ids=list(o.token_ids),
+                        text=o.text,
+                        cum_logprob=cum,
+                        score=cum / len(o.token_ids) ** params.length_penalty,
+                        finish_reason=o.finish_reason or "length",
+                        stop_reason=stop,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(
         self,

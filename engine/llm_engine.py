@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from config import EngineConfig
+from engine.core.beam_search import BeamGroup, beam_group_for
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import Sample, SchedulerOutput
@@ -23,7 +24,13 @@ from engine.kv_events.publisher import KVEventPublisher
 from engine.kv_events.wire import CacheSpec
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
-from engine.outputs import EmbeddingOutput, EngineOutput, PoolingRequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EngineOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from engine.pooling import PoolingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.processing.output_processor import make_output, update_text
@@ -206,6 +213,10 @@ class LLMEngine:
                     grammar=None if structured is None else GrammarState(grammar, structured),
                 )
             )
+        beam = None
+        if params.use_beam_search:  # one sequence to start: the group forks its beams
+            sequences = sequences[:1]
+            beam = beam_group_for(sequences[0], self.vocab_size, self.max_model_len)
         sequences[0].forks = sequences[1:]
         request = Request(
             request_id,
@@ -219,6 +230,7 @@ class LLMEngine:
                 for _ in sequences
             ],
             arrival_time=arrival,
+            beam=beam,
         )
         self.requests[request_id] = request
         self.scheduler.add(sequences[0])
@@ -264,6 +276,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.beam is not None:
+            request.beam.abort(self.scheduler)
         for seq in request.sequences:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -304,8 +318,63 @@ class LLMEngine:
         self._record_prompt_logprobs(out, batch.logits_rows, logits)
         samples = self._sample(out, batch.logits_rows, logits)
         self.scheduler.update_from_output(out, samples, self.max_model_len)
+        outputs = self._make_outputs(out.samplers, samples)
+        if out.has_beam_rows:
+            outputs.extend(self._beam_step(out, batch.logits_rows, logits))
         self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
-        return self._make_outputs(out.samplers, samples)
+        return outputs
+
+    def _beam_step(
+        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Hand each beam's last row to its group; a group with every row in takes its beam
+        step; a group that is done answers with its hypotheses."""
+        outputs = []
+        now = time.time()
+        for s, (first, count) in zip(out.scheduled, logits_rows):
+            group = self.requests[s.seq.request_id].beam
+            if (
+                not s.beam_row
+                or group is None
+                or not group.take_row(s.seq, logits[first + count - 1])
+            ):
+                continue
+            group.advance(self.scheduler)
+            request = self.requests[s.seq.request_id]
+            self._record_token(group.root, now)
+            if group.done:
+                outputs.append(self._beam_output(request, group))
+                self._record_finish(request, now)
+                del self.requests[request.request_id]
+        return outputs
+
+    def _beam_output(self, request: Request, group: BeamGroup) -> RequestOutput:
+        params = group.root.params
+        outputs = []
+        for i, hyp in enumerate(group.finished):
+            # As for sampling, a stop token ends the text without being shown.
+            shown = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
+            text = str(self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens))
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(hyp.token_ids),
+                    finish_reason=hyp.finish_reason,
+                    stop_reason=hyp.stop_reason,
+                    text_delta=text,
+                    token_ids_delta=list(hyp.token_ids),
+                    cumulative_logprob=hyp.cumulative_logprob,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=group.root.num_cached_tokens,
+        )
 
     def _pool(self, out: SchedulerOutput, batch: HostBatch) -> list[PoolingRequestOutput]:
         """Every scheduled sequence ran whole: its embedding is done, and it finishes now, its
@@ -388,11 +457,17 @@ class LLMEngine:
 
     def _record_finish(self, request: Request, now: float) -> None:
         first_token, scheduled = request.first_token_time, request.first_scheduled_time
+        finish_reason = request.sequences[0].finish_reason or "abort"
+        generated = sum(seq.num_output_tokens for seq in request.sequences)
+        if request.beam is not None:
+            best = request.beam.finished[:1]
+            finish_reason = best[0].finish_reason if best else "abort"
+            generated = request.beam.num_generated_tokens
         self._stats.finished.append(
             FinishedRequest(
-                finish_reason=request.sequences[0].finish_reason or "abort",
+                finish_reason=finish_reason,
                 num_prompt_tokens=len(request.prompt_token_ids),
-                num_generation_tokens=sum(seq.num_output_tokens for seq in request.sequences),
+                num_generation_tokens=generated,
                 e2e_latency=now - request.arrival_time,
                 queue_time=None if scheduled is None else scheduled - request.arrival_time,
                 prefill_time=None

@@ -21,6 +21,8 @@ class CompletionOutput:
     # Streaming: what is new since the previous output of this request.
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
+    # Sum of the generated tokens' logprobs: set for beam search, whose ranking rests on it.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A JSON schema, regex, choice or grammar the output must follow.
     structured_outputs: StructuredOutputsParams | None = None
+    # Beam search (vLLM's v0 fields): n is the beam width; the n best hypotheses come back,
+    # ranked by sum of logprobs / generated length ** length_penalty. `early_stopping` has
+    # transformers' meaning: True, False (a heuristic) or "never".
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +125,39 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param)
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks the model's raw log-probabilities: anything that would reshape or
+        sample them, or that the beams cannot report, is refused rather than ignored."""
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(
+                f'early_stopping must be true, false or "never", got {self.early_stopping!r}',
+                "early_stopping",
+            )
+        if self.temperature != 0:
+            raise InvalidRequestError(
+                f"beam search is deterministic: temperature must be 0, got {self.temperature}",
+                "temperature",
+            )
+        unsupported = [
+            ("logprobs", self.logprobs is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("stop", bool(self.stop_strings)),
+            ("min_tokens", self.min_tokens > 0),
+            ("logit_bias", bool(self.logit_bias)),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("presence_penalty", self.presence_penalty != 0),
+            ("frequency_penalty", self.frequency_penalty != 0),
+            ("repetition_penalty", self.repetition_penalty != 1),
+            ("top_p", self.top_p != 1),
+            ("top_k", self.top_k != 0),
+            ("min_p", self.min_p != 0),
+        ]
+        for param, used in unsupported:
+            if used:
+                raise InvalidRequestError(f"{param} is not supported with beam search", param)
 
     @property
     def greedy(self) -> bool:

@@ -164,18 +164,22 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         return self.events.take() if self.events is not None else []
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` the parent's blocks (shared, ref counted); writes copy on demand."""
+    def fork(self, parent: Sequence, child: Sequence, num_shared_tokens: int | None = None) -> None:
+        """Give `child` the parent's blocks (shared, ref counted); writes copy on demand.
+        The child's tokens equal the parent's up to `num_shared_tokens` (the prompt, unless
+        told more: a beam forks with all of its parent's tokens), so their blocks' hashes
+        are the parent's."""
         table = list(self.tables[parent.seq_id])
         for block_id in table:
             if block_id != SLID_PAST:
                 self.pool.take(block_id)
         self.tables[child.seq_id] = table
         self._num_slid[child.seq_id] = self._num_slid.get(parent.seq_id, 0)
-        num_prompt_blocks = child.num_prompt_tokens // self.block_size
-        self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:num_prompt_blocks]
+        shared = child.num_prompt_tokens if num_shared_tokens is None else num_shared_tokens
+        num_shared_blocks = shared // self.block_size
+        self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:num_shared_blocks]
         self._num_registered[child.seq_id] = min(
-            self._num_registered.get(parent.seq_id, 0), num_prompt_blocks
+            self._num_registered.get(parent.seq_id, 0), num_shared_blocks
         )
 
     def free(self, seq: Sequence) -> None:

@@ -81,6 +81,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # a beam whose row is in, waiting for its siblings' rows
+                i += 1
+                continue
             while (table := self.kv.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim, "kv_cache")
@@ -94,9 +97,14 @@ class Scheduler:
 
         if len(out.preempted) == made_room:  # no running sequence was short of blocks
             self._admit(budget, out)
+        if not out.scheduled and self.running and self.waiting:
+            self._unblock_beams(budget, out)
         for s in out.scheduled:
             if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
-                s.samplers = [s.seq, *s.seq.forks]
+                if s.seq.beam is None:
+                    s.samplers = [s.seq, *s.seq.forks]
+                else:
+                    s.beam_row = out.has_beam_rows = True
         out.block_copies = self.kv.take_pending_copies()
         return out
 
@@ -131,6 +139,24 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new, table))
             budget -= num_new
 
+    def _unblock_beams(self, budget: int, out: SchedulerOutput) -> None:
+        """Nothing could run: every running sequence is a beam waiting for a queued sibling,
+        and the queue's head finds no room (two searches, each partly preempted, can hold the
+        pool between them). The head and its own beam group go first: running sequences of
+        other requests are preempted, from the back, until the head starts. The pool holds
+        any one search whole, so it does by the time only its own group is left."""
+        head = self.waiting[0]
+        group = [s for s in self.waiting if s is head or (head.beam and s.beam is head.beam)]
+        while self.running and not out.scheduled:
+            others = [s for s in self.running if head.beam is None or s.beam is not head.beam]
+            victim = others[-1] if others else self.running[-1]
+            self.running.remove(victim)
+            self._preempt(victim, "kv_cache")
+            out.preempted.append(victim)
+            # The victim queues behind the head's group, or it would take the room just made.
+            self.waiting = deque([*group, *(s for s in self.waiting if s not in group)])
+            self._admit(budget, out)
+
     def _make_room_for_the_most_urgent(self, out: SchedulerOutput) -> None:
         """Preempt the least urgent running sequences, all less urgent than the head of the queue,
         that the head needs gone to start now (a seat, and blocks for its first chunk); none if
@@ -164,6 +190,8 @@ class Scheduler:
         return len(self.running) + reserved + 1 + len(seq.forks)
 
     def _preempt(self, seq: Sequence, reason: str) -> None:
+        if seq.beam is not None:
+            seq.beam.drop_row(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

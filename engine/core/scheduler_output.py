@@ -17,6 +17,8 @@ class ScheduledSequence:
     # Who samples a token from this sequence's last row: nobody while its prompt is still
     # being chunked; else the sequence, then the siblings that fork from it at this step.
     samplers: list[Sequence] = field(default_factory=list)
+    # A beam whose last row goes to its beam group instead of a sampler.
+    beam_row: bool = False
 
     @property
     def samples_token(self) -> bool:
@@ -28,6 +30,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    has_beam_rows: bool = False  # some scheduled beam completes its row this step
 
     @property
     def num_tokens(self) -> int:

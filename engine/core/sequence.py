@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -15,6 +16,13 @@ from engine.outputs import PositionLogprobs
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarState
+
+
+class BeamRows(Protocol):
+    """What the scheduler asks of a beam's group (engine/core/beam_search.py)."""
+
+    def drop_row(self, seq: Sequence) -> None:
+        """The beam is preempted: the logits row it handed in will be recomputed."""
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +63,9 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # A pooling request: scheduled whole in one step, finished by it (no tokens sampled).
     pooling: PoolingParams | None = None
+    # The beam search this sequence is a beam of: it hands its logits row to the group
+    # instead of sampling. None for every other request.
+    beam: BeamRows | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

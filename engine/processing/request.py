@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.beam_search import BeamGroup
 from engine.core.sequence import Sequence
 from engine.processing.detokenizer import IncrementalDetokenizer
 
@@ -31,6 +32,7 @@ class Request:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    beam: BeamGroup | None = None  # a beam search's state (its beams live in the group)
 
     @property
     def finished(self) -> bool:

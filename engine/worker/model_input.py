@@ -183,7 +183,7 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         if seq.wants_prompt_logprobs:
             # Every row of the chunk: row p predicts token p + 1 of the prompt.
             logits_indices.extend(range(row0, row0 + end - start))
-        elif s.samples_token:
+        elif s.samples_token or s.beam_row:
             logits_indices.append(row0 + end - start - 1)
         logits_rows.append((first, len(logits_indices) - first))
 
