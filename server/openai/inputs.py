@@ -38,7 +38,8 @@ def sampling_params(
 
     return SamplingParams(
         n=req.n,
-        temperature=given(req.temperature, 1.0),
+        # Beam search ranks raw logprobs: unset, the temperature is 0 there (vLLM's default).
+        temperature=given(req.temperature, 0.0 if req.use_beam_search else 1.0),
         top_p=given(req.top_p, 1.0),
         top_k=req.top_k if req.top_k is not None else 0,
         min_p=given(req.min_p, 0.0),
@@ -58,6 +59,9 @@ def sampling_params(
         logit_bias=req.logit_bias,  # type: ignore[arg-type]
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured,
+        use_beam_search=req.use_beam_search,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
     )
 
 

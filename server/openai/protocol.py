@@ -107,6 +107,10 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     best_of: Int | None = None
     ignore_eos: bool = False
+    # vLLM's beam search: n is the beam width, the n best hypotheses are the choices.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # vLLM's: lower is served earlier, on a server started with --scheduling-policy priority.
     priority: Int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     min_tokens: Int = Field(0, ge=0)
@@ -191,6 +195,9 @@ class SamplingFields(_Request):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.use_beam_search and self.stream:
+            # The best hypotheses are known only when the search ends: nothing to stream.
+            raise InvalidRequestError("stream is not supported with use_beam_search", "stream")
         if self.best_of is not None and self.best_of != self.n:
             # Every sample drawn is returned; none is ranked and dropped. Accepting another
             # value would silently give n answers where best-of-N selection was asked for.
