@@ -276,8 +276,10 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.beam is not None:
+        if request.beam is not None:  # the hypotheses finished so far, if any
             request.beam.abort(self.scheduler)
+            self._record_finish(request, time.time())
+            return self._beam_output(request, request.beam)
         for seq in request.sequences:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -461,7 +463,8 @@ class LLMEngine:
         generated = sum(seq.num_output_tokens for seq in request.sequences)
         if request.beam is not None:
             best = request.beam.finished[:1]
-            finish_reason = best[0].finish_reason if best else "abort"
+            aborted = request.beam.aborted or not best
+            finish_reason = "abort" if aborted else best[0].finish_reason
             generated = request.beam.num_generated_tokens
         self._stats.finished.append(
             FinishedRequest(

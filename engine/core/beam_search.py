@@ -55,6 +55,7 @@ class BeamGroup:
     num_generated: int = 0
     improvable: bool = True  # transformers' "early stop heuristic unsatisfied"
     done: bool = False
+    aborted: bool = False
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -203,6 +204,7 @@ class BeamGroup:
         self.done = True
 
     def abort(self, scheduler: Scheduler) -> None:
+        self.aborted = True
         for beam in self.beams:
             if not beam.is_finished:
                 beam.finish_reason = "abort"

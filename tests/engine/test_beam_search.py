@@ -311,7 +311,9 @@ def test_abort_frees_every_beam(qwen3_dir: Path) -> None:
     for _ in range(5):
         engine.step()
     assert len([t for t in engine.kv.tables.values() if t]) == 4
-    engine.abort_request(request_id)
+    aborted = engine.abort_request(request_id)
+    assert aborted is not None and aborted.finished
+    assert engine.take_stats().finished[-1].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(llm, 64)
 
