@@ -338,3 +338,19 @@ def test_bad_beam_requests_name_the_field(qwen3_dir: Path, params: dict, field: 
         llm.generate(random_prompt(10, seed=1), SamplingParams(**{**base, **params}))
     assert err.value.param == field
     assert_all_blocks_free(llm, 64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_reads_the_copied_blocks(qwen3_dir: Path, backend: str) -> None:
+    """The beams' shared partial prompt block (21 tokens: 16 + 5) is copied on the first
+    divergent write, before the step's forward pass, whatever backend then reads it."""
+    llm = LLM(
+        model=str(qwen3_dir),
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_model_len=128,
+        attention_backend=backend,
+    )
+    params = BeamSearchParams(4, 6, ignore_eos=True, length_penalty=0.5)
+    assert_equals_transformers(llm, qwen3_dir, random_prompt(21, seed=21), params)
+    assert_all_blocks_free(llm, 64)
