@@ -334,15 +334,13 @@ class LLMEngine:
         outputs = []
         now = time.time()
         for s, (first, count) in zip(out.scheduled, logits_rows):
-            group = self.requests[s.seq.request_id].beam
-            if (
-                not s.beam_row
-                or group is None
-                or not group.take_row(s.seq, logits[first + count - 1])
-            ):
+            if not s.beam_row:  # (another request may have finished and left this step)
+                continue
+            request = self.requests[s.seq.request_id]
+            group = request.beam
+            if group is None or not group.take_row(s.seq, logits[first + count - 1]):
                 continue
             group.advance(self.scheduler)
-            request = self.requests[s.seq.request_id]
             self._record_token(group.root, now)
             if group.done:
                 outputs.append(self._beam_output(request, group))

@@ -354,3 +354,29 @@ def test_every_attention_backend_reads_the_copied_blocks(qwen3_dir: Path, backen
     params = BeamSearchParams(4, 6, ignore_eos=True, length_penalty=0.5)
     assert_equals_transformers(llm, qwen3_dir, random_prompt(21, seed=21), params)
     assert_all_blocks_free(llm, 64)
+
+
+def test_beams_and_samples_in_one_batch(qwen3_dir: Path) -> None:
+    """Ordinary requests that finish mid-search, in the steps the beams step in, leave the
+    search alone, and the search leaves their tokens alone."""
+    llm = LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=128, max_model_len=256)
+    engine = llm.engine
+    prompt = random_prompt(25, seed=9)
+    beam_id = engine.add_request(
+        prompt, BeamSearchParams(4, MAX_NEW, ignore_eos=True).to_sampling_params()
+    )
+    short = [
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for n in (1, 2, 5)
+    ]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
+    assert [o.token_ids for o in final[beam_id].outputs] == [t for t, _ in expected]
+    greedy = hf_greedy(qwen3_dir, [prompt], 5)[0]
+    for request_id, n in zip(short, (1, 2, 5)):
+        assert final[request_id].outputs[0].token_ids == greedy[:n]
+    assert_all_blocks_free(llm, 128)
