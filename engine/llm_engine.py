@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from config import EngineConfig
+from config import ConfigError, EngineConfig
 from engine.core.beam_search import BeamGroup, beam_group_for
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
@@ -88,12 +88,18 @@ class LLMEngine:
         events = config.cache.kv_events_config
         self.kv_events: KVEventPublisher | None = None
         if events is not None and events.enabled:
+            if not config.cache.enable_prefix_caching or self.pooler is not None:
+                # Events describe the prefix cache: with none, a subscriber would wait forever.
+                raise ConfigError(
+                    "--kv-events-config: KV events describe the prefix cache, which is off here "
+                    "(--no-enable-prefix-caching, or a pooling model)"
+                )
             self.kv_events = KVEventPublisher(events, CacheSpec(self.block_size, slide))
         try:
             self._start(config, spec, num_blocks, slide)
         except BaseException:
             if self.kv_events is not None:
-                self.kv_events.close(timeout=0)
+                self.kv_events.close()  # its thread frees the port as it ends
             raise
 
     def _start(

@@ -110,11 +110,10 @@ class KVEventPublisher:
         return new
 
     def close(self, timeout: float = 2.0) -> None:
-        """Send what is queued (for up to `timeout` seconds), then close the sockets."""
+        """Send what is queued, waiting up to `timeout` seconds; the publisher thread closes the
+        sockets as it ends (it alone uses them), so a port is freed even when the wait is cut."""
         self._stop.set()
         self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._close_sockets()
 
     # ------------------------------------------------------------- the publisher thread
 
@@ -129,8 +128,17 @@ class KVEventPublisher:
             return self._sent.wait_for(lambda: self._next_seq >= count, timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._close_sockets()
+
+    def _loop(self) -> None:
         while True:
-            self._serve_replay()
+            try:
+                self._serve_replay()
+            except Exception:  # a bad replay client must not end publishing
+                log.exception("KV events: could not answer a replay request")
             try:
                 ts, events = self._queue.get(timeout=0.02)
             except queue.Empty:

@@ -152,3 +152,7 @@ def test_unusable_endpoint_is_a_start_up_error_naming_the_flag(
         LLM(str(llama_dir), kv_events_config='{"enable_kv_cache_events": true, "endpont": "x"}')
     with pytest.raises(ConfigError, match=r"--kv-events-config.*not valid JSON"):
         LLM(str(llama_dir), kv_events_config="{enable_kv_cache_events: true}")
+    # With no prefix cache there is nothing to describe.
+    config = {"enable_kv_cache_events": True, "endpoint": free_tcp_endpoint()}
+    with pytest.raises(ConfigError, match=r"--kv-events-config.*prefix cache, which is off"):
+        LLM(str(llama_dir), kv_events_config=config, enable_prefix_caching=False, **ENGINE)
