@@ -67,8 +67,13 @@ class BeamGroup:
 
     def take_row(self, seq: Sequence, logits_row: torch.Tensor) -> bool:
         """Keep a beam's last logits row; true when every live beam's row is in."""
-        self.rows[seq.seq_id] = logits_row
+        # A copy: the row is a view of the whole step's logits, which a beam waiting for its
+        # siblings would otherwise keep alive.
+        self.rows[seq.seq_id] = logits_row.clone()
         return len(self.rows) == len(self.beams)
+
+    def seats_to_come(self) -> int:
+        return self.width - len(self.beams)
 
     def drop_row(self, seq: Sequence) -> None:
         """A preempted beam recomputes its row: the one it had handed in is stale."""

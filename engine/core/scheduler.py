@@ -184,9 +184,12 @@ class Scheduler:
             out.preempted.append(victim)
 
     def _num_seqs_after_admitting(self, seq: Sequence) -> int:
-        # Forked siblings join the running set when the prompt completes: their seats stay
-        # reserved from admission on, for the running sequences' siblings as for this one's.
+        # Forked siblings join the running set when the prompt completes, and a beam search
+        # forks up to its width: their seats stay reserved from admission on, for the running
+        # sequences' as for this one's.
         reserved = sum(len(r.forks) for r in self.running)
+        groups = {id(s.beam): s.beam for s in (*self.running, seq) if s.beam is not None}
+        reserved += sum(group.seats_to_come() for group in groups.values())
         return len(self.running) + reserved + 1 + len(seq.forks)
 
     def _preempt(self, seq: Sequence, reason: str) -> None:

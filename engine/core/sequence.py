@@ -24,6 +24,9 @@ class BeamRows(Protocol):
     def drop_row(self, seq: Sequence) -> None:
         """The beam is preempted: the logits row it handed in will be recomputed."""
 
+    def seats_to_come(self) -> int:
+        """Beams the group may still fork before it is at its width."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -380,3 +380,29 @@ def test_beams_and_samples_in_one_batch(qwen3_dir: Path) -> None:
     for request_id, n in zip(short, (1, 2, 5)):
         assert final[request_id].outputs[0].token_ids == greedy[:n]
     assert_all_blocks_free(llm, 128)
+
+
+def test_searches_keep_within_max_num_seqs(qwen3_dir: Path) -> None:
+    """A search admitted with one sequence forks up to its width: those seats are reserved, so
+    two width-4 searches under --max-num-seqs 4 run one after the other, never 8 at once, and
+    both still equal transformers."""
+    llm = LLM(
+        model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=128, max_model_len=256, max_num_seqs=4
+    )
+    engine = llm.engine
+    prompts = [random_prompt(20, seed=11), random_prompt(30, seed=12)]
+    ids = [
+        engine.add_request(p, BeamSearchParams(4, MAX_NEW, ignore_eos=True).to_sampling_params())
+        for p in prompts
+    ]
+    most, final = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        most = max(most, len(engine.scheduler.running))
+    assert most == 4
+    for request_id, prompt in zip(ids, prompts):
+        expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
+        assert [o.token_ids for o in final[request_id].outputs] == [t for t, _ in expected]
+    assert_all_blocks_free(llm, 128)
