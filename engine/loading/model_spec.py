@@ -123,7 +123,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         choice.why,
     )
     if config.model.batch_invariant:
-        why_not = batch_invariance_unfit(device, dtype, choice.name, info.encoder)
+        why_not = batch_invariance_unfit(device, dtype, choice.name, info)
         if why_not is not None:
             raise ConfigError(f"--batch-invariant: {why_not}")
         log.info(
@@ -146,13 +146,17 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
 
 
 def batch_invariance_unfit(
-    device: str, dtype: torch.dtype, backend: str, encoder: bool
+    device: str, dtype: torch.dtype, backend: str, info: ArchitectureInfo
 ) -> str | None:
     """Why --batch-invariant cannot hold here, or None. It holds where every linear runs on
     kernels/cpu/bf16_linear and every attention row on the cpu backend's decode path, whose sums
     have one order whatever the batch; other kernels choose their blocking by the shape."""
-    if encoder:
+    if info.encoder:
         return "it is for decoder models (an encoder keeps its torch layers)"
+    if info.experts:
+        return (
+            "not for a mixture of experts (each expert multiplies the rows the batch routes to it)"
+        )
     if device != "cpu":
         return f"it runs on the CPU, not {device}"
     if dtype != torch.bfloat16:

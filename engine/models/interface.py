@@ -29,6 +29,8 @@ class ArchitectureInfo:
     graph_safe: bool = True
     # An encoder (BERT): attends both ways, keeps no KV cache, only pools (no LM head).
     encoder: bool = False
+    # A mixture of experts: each expert multiplies the rows routed to it, a batch-dependent set.
+    experts: bool = False
 
 
 class CausalLM(Protocol):

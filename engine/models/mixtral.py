@@ -27,7 +27,7 @@ class MixtralForCausalLM(DecoderModel):
             ("attention heads", cfg.num_attention_heads),
             ("experts", cfg.num_local_experts),
         )
-        return replace(info, divisible=divisible, graph_safe=False)
+        return replace(info, divisible=divisible, graph_safe=False, experts=True)
 
     def build_layer(self, index: int) -> nn.Module:
         cfg = self.config

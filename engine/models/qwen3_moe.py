@@ -33,7 +33,7 @@ class Qwen3MoeForCausalLM(DecoderModel):
         divisible = [("attention heads", cfg.num_attention_heads), ("experts", cfg.num_experts)]
         if not all(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)):
             divisible.append(("MLP columns", cfg.intermediate_size))
-        return replace(info, divisible=tuple(divisible), graph_safe=False)
+        return replace(info, divisible=tuple(divisible), graph_safe=False, experts=True)
 
     def build_layer(self, index: int) -> nn.Module:
         cfg = self.config

@@ -85,6 +85,14 @@ def test_refused_where_it_cannot_hold(default_model_dir: Path, settings, named: 
     assert named in str(info.value)
 
 
+def test_refused_for_a_mixture_of_experts(tmp_path: Path) -> None:
+    from tests.support.models import build_random_model
+
+    folder = build_random_model(tmp_path / "mixtral", "mixtral", "llama")
+    with pytest.raises(ConfigError, match="--batch-invariant: not for a mixture of experts"):
+        LLM(str(folder), batch_invariant=True, dtype="bfloat16")
+
+
 def test_every_row_attends_alone() -> None:
     from kernels.attention.backend import AttentionMetadata
     from kernels.attention.cpu_backend import one_row_each

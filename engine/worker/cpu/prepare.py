@@ -24,7 +24,13 @@ def pack_weights(model: CausalLM, fixed_order: bool = False) -> bool:
     `fixed_order`: for kernels/cpu/bf16_linear whatever this CPU prefers (--batch-invariant);
     a weight it cannot take is then an error, not a layer left to oneDNN."""
     own = fixed_order or packed_linear.own_layout()
-    if not isinstance(model, DecoderModel) or not can_pack(model.embed_tokens.weight, own):
+    if not isinstance(model, DecoderModel):
+        return False
+    if not can_pack(model.embed_tokens.weight, own):
+        if fixed_order:
+            raise ValueError(
+                "--batch-invariant: the weights cannot take the fixed-order linear kernel"
+            )
         return False
     if model.tie_word_embeddings:
         model.lm_head_packed = pack(model.embed_tokens.weight, own)
