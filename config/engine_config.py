@@ -102,8 +102,8 @@ class ModelConfig(_Strict):
     )
     normalize: bool | None = Field(
         None,
-        description="L2-normalize embeddings (default: when the checkpoint's modules.json has a "
-        "Normalize module, or a decoder model has no modules.json)",
+        description="L2-normalize embeddings (default: as the checkpoint's modules.json says, "
+        "with or without a Normalize module; normalized when there is no modules.json)",
     )
 
     @model_validator(mode="after")

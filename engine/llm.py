@@ -128,7 +128,10 @@ class LLM:
         if len(first) != len(second) or not second:
             raise ValueError(f"{len(first)} first texts for {len(second)} second texts")
         outs = self.embed([*first, *second], truncate_prompt_tokens=truncate_prompt_tokens)
-        vectors = [o.outputs.data for o in outs if o.outputs is not None]
+        vectors = []
+        for o in outs:
+            assert o.outputs is not None, "only an aborted request has no embedding"
+            vectors.append(o.outputs.data)
         n = len(first)
         return [
             float(torch.nn.functional.cosine_similarity(a, b, dim=0))

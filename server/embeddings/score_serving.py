@@ -1,6 +1,6 @@
-"""POST /v1/score and /v1/rerank from an embedding model: every distinct text embedded once
-(batched by the scheduler like any embeddings request), each pair scored by the cosine
-similarity of its embeddings."""
+"""POST /v1/score and /v1/rerank from an embedding model: every text embedded (batched by the
+scheduler like any embeddings request), each pair scored by the cosine similarity of its
+embeddings."""
 
 from __future__ import annotations
 
