@@ -346,8 +346,10 @@ class LLMEngine:
             group = request.beam
             if group is None or not group.take_row(s.seq, logits[first + count - 1]):
                 continue
+            stepped = len(group.beams)  # each live beam generated a token this step
             group.advance(self.scheduler)
             self._record_token(group.root, now)
+            self._stats.generation_tokens += stepped - 1
             if group.done:
                 outputs.append(self._beam_output(request, group))
                 self._record_finish(request, now)

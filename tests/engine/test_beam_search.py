@@ -402,6 +402,8 @@ def test_searches_keep_within_max_num_seqs(qwen3_dir: Path) -> None:
                 final[out.request_id] = out
         most = max(most, len(engine.scheduler.running))
     assert most == 4
+    # Each live beam generates a token a step: the root alone first, then all four.
+    assert engine.take_stats().generation_tokens == 2 * (1 + 4 * (MAX_NEW - 1))
     for request_id, prompt in zip(ids, prompts):
         expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
         assert [o.token_ids for o in final[request_id].outputs] == [t for t, _ in expected]
