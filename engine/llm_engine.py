@@ -347,6 +347,7 @@ class LLMEngine:
             if group is None or not group.take_row(s.seq, logits[first + count - 1]):
                 continue
             stepped = len(group.beams)  # each live beam generated a token this step
+            first = request.first_token_time is None
             group.advance(self.scheduler)
             self._record_token(group.root, now)
             self._stats.generation_tokens += stepped - 1
@@ -354,6 +355,20 @@ class LLMEngine:
                 outputs.append(self._beam_output(request, group))
                 self._record_finish(request, now)
                 del self.requests[request.request_id]
+            elif first:
+                # A search answers only at its end, but it has started: say so with an output
+                # of no choices, which ends its wait in the server's admission queue (whose
+                # --max-queue-time would otherwise drop a search longer than it).
+                outputs.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        prompt=request.prompt,
+                        prompt_token_ids=request.prompt_token_ids,
+                        outputs=[],
+                        finished=False,
+                        num_cached_tokens=group.root.num_cached_tokens,
+                    )
+                )
         return outputs
 
     def _beam_output(self, request: Request, group: BeamGroup) -> RequestOutput:

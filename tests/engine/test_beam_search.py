@@ -408,3 +408,17 @@ def test_searches_keep_within_max_num_seqs(qwen3_dir: Path) -> None:
         expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
         assert [o.token_ids for o in final[request_id].outputs] == [t for t, _ in expected]
     assert_all_blocks_free(llm, 128)
+
+
+def test_a_search_says_it_started_at_its_first_step(qwen3_dir: Path) -> None:
+    """The step of its first token hands back an output of no choices, not finished (what ends
+    a request's wait in the server's admission queue); the answer comes once, at the end."""
+    llm = LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+    request_id = engine.add_request(
+        random_prompt(20, seed=13), BeamSearchParams(2, 5, ignore_eos=True).to_sampling_params()
+    )
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o.finished, len(o.outputs)) for o in engine.step() if o.request_id == request_id]
+    assert seen == [(False, 0), (True, 2)]
