@@ -20,9 +20,19 @@ def encode(
 
 
 def encode_truncated(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> list[int]:
-    """At most `max_tokens` tokens, special tokens included: the tokenizer drops text from its
-    truncation side and keeps the special tokens (BERT's [CLS] ... [SEP])."""
-    return list(tokenizer(text, truncation=True, max_length=max_tokens).input_ids)
+    """At most `max_tokens` tokens, special tokens included: the text's last tokens (vLLM's rule
+    for truncate_prompt_tokens, as for token ids) between the special tokens the tokenizer
+    wraps it in (BERT's [CLS] ... [SEP])."""
+    full = encode(tokenizer, text)
+    if len(full) <= max_tokens:
+        return full
+    content = encode(tokenizer, text, add_special_tokens=False)
+    specials = len(full) - len(content)
+    start = next((i for i in range(specials + 1) if full[i : i + len(content)] == content), None)
+    if start is None or max_tokens <= specials:  # no plain wrapping to keep: the last tokens
+        return truncate_ids(full, max_tokens)
+    kept = content[len(content) - (max_tokens - specials) :]
+    return full[:start] + kept + full[start + len(content) :]
 
 
 def truncate_ids(token_ids: list[int], max_tokens: int) -> list[int]:

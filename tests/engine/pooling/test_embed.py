@@ -96,11 +96,14 @@ def _subset_sums(values: list[int]) -> set[int]:
 
 
 def test_truncate_prompt_tokens(llm: LLM) -> None:
-    long = " ".join(["cats"] * 400)
+    long = " ".join(str(i) for i in range(400))  # every token different
     with pytest.raises(InvalidRequestError, match="256"):
         llm.embed(long)
     (out,) = llm.embed(long, truncate_prompt_tokens=-1)
-    ids = minilm_tokenizer()(long, truncation=True, max_length=256).input_ids
+    tokenizer = minilm_tokenizer()
+    content = tokenizer(long, add_special_tokens=False).input_ids
+    # vLLM's rule: the last tokens, here between [CLS] and [SEP].
+    ids = [tokenizer.cls_token_id, *content[-254:], tokenizer.sep_token_id]
     assert out.prompt_token_ids == ids and len(ids) == 256
     assert cosines(out.outputs.data, hf_embed([ids])[0]) >= 0.99999
     (short,) = llm.embed(list(range(1000, 1020)), truncate_prompt_tokens=5)
