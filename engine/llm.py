@@ -10,11 +10,10 @@ from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
-from engine.processing.tokenization import encode_chat, encode_truncated, truncate_ids
+from engine.processing.tokenization import encode_chat, pooling_tokens, truncation
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -139,19 +138,8 @@ class LLM:
         ]
 
     def _pooling_tokens(self, prompt: Prompt, truncate: int | None) -> list[int]:
-        if truncate is None:
-            return self.engine.tokenize(prompt)
-        window = self.engine.max_model_len
-        if truncate == -1:
-            truncate = window
-        if not 1 <= truncate <= window:
-            raise InvalidRequestError(
-                f"truncate_prompt_tokens must be -1 or between 1 and {window}, got {truncate}",
-                "truncate_prompt_tokens",
-            )
-        if isinstance(prompt, str):
-            return encode_truncated(self.tokenizer, prompt, truncate)
-        return truncate_ids(list(prompt), truncate)
+        count = truncation(truncate, self.engine.max_model_len)
+        return pooling_tokens(self.tokenizer, prompt, count)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams

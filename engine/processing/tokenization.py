@@ -8,6 +8,8 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from engine.errors import InvalidRequestError
+
 # transformers 5 skips its space clean-up for BPE tokenizers unless this attribute says otherwise;
 # transformers 4 has no such attribute and always cleans up when asked.
 _BPE_CLEANUP_FLAG = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
@@ -38,6 +40,35 @@ def encode_truncated(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: 
 def truncate_ids(token_ids: list[int], max_tokens: int) -> list[int]:
     """Token ids given as they are: the last `max_tokens` (vLLM's rule for token prompts)."""
     return list(token_ids[-max_tokens:]) if len(token_ids) > max_tokens else list(token_ids)
+
+
+def truncation(truncate_prompt_tokens: int | None, window: int) -> int | None:
+    """`truncate_prompt_tokens` as a token count (-1: the model's window); InvalidRequestError
+    naming it when out of range."""
+    if truncate_prompt_tokens is None:
+        return None
+    count = window if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if not 1 <= count <= window:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or between 1 and the model's window {window}, "
+            f"got {truncate_prompt_tokens}",
+            "truncate_prompt_tokens",
+        )
+    return count
+
+
+def pooling_tokens(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[int], truncate: int | None
+) -> list[int]:
+    """A pooling input's token ids (a text tokenized with its special tokens), cut to its last
+    `truncate` tokens when given (a count from `truncation`)."""
+    if isinstance(prompt, str):
+        return (
+            encode(tokenizer, prompt)
+            if truncate is None
+            else encode_truncated(tokenizer, prompt, truncate)
+        )
+    return list(prompt) if truncate is None else truncate_ids(list(prompt), truncate)
 
 
 def encode_chat(

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine import PoolingParams, PoolingRequestOutput
 from engine.client import PoolingRequest
-from engine.processing.tokenization import encode, encode_truncated, truncate_ids
+from engine.processing.tokenization import pooling_tokens, truncation
 from server.errors import APIError, invalid
 from server.http.streaming import merge, until_disconnected
 from server.state import ServerState
@@ -55,18 +55,7 @@ def _tokenize(
     tokenizer: PreTrainedTokenizerBase, inputs: list[RawInput], truncate: int | None
 ) -> list[list[int]]:
     """All inputs in one trip off the event loop."""
-    out = []
-    for item in inputs:
-        if isinstance(item, str):
-            ids = (
-                encode(tokenizer, item)
-                if truncate is None
-                else encode_truncated(tokenizer, item, truncate)
-            )
-        else:
-            ids = list(item) if truncate is None else truncate_ids(item, truncate)
-        out.append(ids)
-    return out
+    return [pooling_tokens(tokenizer, item, truncate) for item in inputs]
 
 
 @dataclass(frozen=True)
@@ -89,17 +78,8 @@ async def embed_inputs(
     for item in inputs:
         if isinstance(item, str) and not item:
             raise invalid(f"{field} must not hold an empty string", field)
-    window = state.max_model_len
-    if truncate is not None:
-        if truncate == -1:
-            truncate = window
-        if not 1 <= truncate <= window:
-            raise invalid(
-                f"truncate_prompt_tokens must be -1 or between 1 and the model's window {window}, "
-                f"got {truncate}",
-                "truncate_prompt_tokens",
-            )
-    token_ids = await state.off_loop(_tokenize, state.tokenizer, inputs, truncate)
+    count = truncation(truncate, state.max_model_len)
+    token_ids = await state.off_loop(_tokenize, state.tokenizer, inputs, count)
     limit = state.config.max_prompt_tokens
     submitted: list[AsyncGenerator[PoolingRequestOutput, None]] = []
     for i, (item, ids) in enumerate(zip(inputs, token_ids)):
