@@ -50,6 +50,14 @@ BODY_ROUTES = [
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/v1/chat/completions/render"),
     ("POST", "/v1/completions/render"),
+    # A chat model's server answers these with a 400 naming --runner pooling; the fuzzer checks
+    # that their validation, too, never ends in a 5xx or a body of another shape.
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/score"),
+    ("POST", "/score"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/rerank"),
+    ("POST", "/v2/rerank"),
 ]
 # No body and no parameter that could be of a wrong type (a path segment is always a string):
 # only valid requests exist, so the negative mode has nothing to generate.
