@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import MODEL, rss_mb
+from soak import MODEL, rss_mb, start_server
 
 
 def nested_arrays(depth: int) -> dict[str, Any]:
@@ -86,31 +84,10 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8319)
     parser.add_argument("--out", type=Path, default=Path("bench/out/compile_bombs.json"))
     args = parser.parse_args()
-    default = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache/pagedserve"))
-    model = default / MODEL
     with tempfile.TemporaryDirectory(prefix="bombs-") as cache:
-        argv = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            *([str(model)] if model.exists() else []),
-        ]
-        argv += ["--host", "127.0.0.1", "--port", str(args.port), "--served-model-name", MODEL]
-        env = {**os.environ, "PAGEDSERVE_CACHE_DIR": cache}
-        server = subprocess.Popen(
-            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        base_url = f"http://127.0.0.1:{args.port}"
+        server, base_url = start_server(args.port, cache)
         report: dict[str, Any] = {"rounds": []}
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
             warm = {
                 "response_format": {
                     "type": "json_schema",

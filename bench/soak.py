@@ -199,6 +199,27 @@ async def drive(args: argparse.Namespace, base_url: str, pid: int) -> dict[str, 
     }
 
 
+def start_server(port: int, cache: str) -> tuple[subprocess.Popen, str]:
+    """`pagedserve serve` on the default model at 127.0.0.1:`port`, with `cache` as its cache
+    directory, once /health answers 200 (or after 300 s); the process and its base URL."""
+    # The converted default model is reused from the usual cache, not rebuilt in `cache`.
+    default = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache/pagedserve"))
+    model = default / MODEL
+    argv = [sys.executable, "-m", "server.cli", "serve", *([str(model)] if model.exists() else [])]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": cache}
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return server, base_url
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,30 +232,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/soak.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="soak-") as cache:
-        env = {**os.environ, "PAGEDSERVE_CACHE_DIR": cache}
-        # The converted default model is reused from the usual cache, not rebuilt here.
-        default = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache/pagedserve"))
-        model = default / MODEL
-        argv = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            *([str(model)] if model.exists() else []),
-        ]
-        argv += ["--host", "127.0.0.1", "--port", str(args.port), "--served-model-name", MODEL]
-        server = subprocess.Popen(
-            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        base_url = f"http://127.0.0.1:{args.port}"
+        server, base_url = start_server(args.port, cache)
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
             report = asyncio.run(drive(args, base_url, server.pid))
         finally:
             server.send_signal(signal.SIGTERM)
