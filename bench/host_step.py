@@ -33,6 +33,22 @@ from tests.support.models import build_random_model
 PROMPT_LEN = 32
 
 
+def build_tiny_llama(folder: Path) -> Path:
+    """A one-layer Llama of width 32 (real tokenizer): its forward is negligible, so a step's
+    time is the engine's host work."""
+    return build_random_model(
+        folder,
+        "llama",
+        "llama",
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
 def step_ms(folder: Path, batch: int, steps: int, profile: bool) -> float:
     max_len = PROMPT_LEN + 2 * steps + 16
     llm = LLM(
@@ -75,17 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # the forward is negligible; one thread keeps the timing steady
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_random_model(
-            Path(tmp),
-            "llama",
-            "llama",
-            vocab_size=4096,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
+        folder = build_tiny_llama(Path(tmp))
         for batch in args.batches:
             last = batch == max(args.batches)
             ms = step_ms(folder, batch, args.steps, args.profile and last)

@@ -27,8 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from host_step import build_tiny_llama
+
 from engine import LLM, SamplingParams
-from tests.support.models import build_random_model
 
 PROMPT_LEN = 32
 
@@ -123,17 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_random_model(
-            Path(tmp),
-            "llama",
-            "llama",
-            vocab_size=4096,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
+        folder = build_tiny_llama(Path(tmp))
         for block_size in args.block_sizes:
             for r in range(args.rounds):
                 # Off first in odd rounds, on first in even ones: drift favours neither.
