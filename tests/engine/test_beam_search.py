@@ -3,7 +3,6 @@ shared copy-on-write blocks, under chunked prefill, preemption and prefix cachin
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -12,56 +11,11 @@ import torch
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
-from tests.support.models import hf_greedy
+from tests.support.models import hf_beams, hf_greedy
 
 BLOCK = 16
 NUM_BLOCKS = 256
 MAX_NEW = 10
-
-
-@cache
-def _hf_model(folder: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def hf_beams(
-    folder: Path,
-    prompt: list[int],
-    k: int,
-    max_new: int,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-    stop_ids: list[int] | None = None,
-) -> list[tuple[list[int], float]]:
-    """transformers' k best (generated tokens, score), best first; EOS only from `stop_ids`."""
-    model = _hf_model(str(folder))
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        num_beams=k,
-        num_return_sequences=k,
-        do_sample=False,
-        max_new_tokens=max_new,
-        min_new_tokens=0,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        eos_token_id=stop_ids or None,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
-    results = []
-    for i, row in enumerate(out.sequences):
-        tokens = row[len(prompt) :].tolist()
-        # Finished early: the hypothesis ends at its stop token, padding follows.
-        ends = [j for j, t in enumerate(tokens) if t in (stop_ids or [])]
-        if ends:
-            tokens = tokens[: ends[0] + 1]
-        score = float(out.sequences_scores[i]) if k > 1 else float("nan")
-        results.append((tokens, score))
-    return results
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

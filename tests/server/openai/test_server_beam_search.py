@@ -11,9 +11,9 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from config import ServerConfig
+from tests.support.models import hf_beams
 from tests.support.server_harness import RunningServer, start_engine
 
 MODEL = "smol"
@@ -43,37 +43,21 @@ def client(server: RunningServer) -> Iterator[openai.OpenAI]:
 
 
 @cache
-def _hf(folder: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def hf_beam_texts(
     folder: Path, prompt_ids: list[int], k: int, length_penalty: float, early_stopping: bool | str
 ) -> list[str]:
-    """transformers' k best beams as text, EOS and what pads after it left out."""
-    model, tok = _hf(str(folder))
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        num_beams=k,
-        num_return_sequences=k,
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
+    """transformers' k best beams as text (EOS, a special token, left out)."""
+    tok = _tokenizer(str(folder))
+    beams = hf_beams(
+        folder, prompt_ids, k, MAX_NEW, length_penalty, early_stopping, [tok.eos_token_id]
     )
-    texts = []
-    for row in out:
-        tokens = row[len(prompt_ids) :].tolist()
-        if tok.eos_token_id in tokens:
-            tokens = tokens[: tokens.index(tok.eos_token_id)]
-        texts.append(tok.decode(tokens, skip_special_tokens=True))
-    return texts
+    return [tok.decode(tokens, skip_special_tokens=True) for tokens, _ in beams]
 
 
 def test_completions_return_transformers_beams_best_first(
@@ -87,7 +71,7 @@ def test_completions_return_transformers_beams_best_first(
         max_tokens=MAX_NEW,
         extra_body={"use_beam_search": True, "length_penalty": 0.8, "early_stopping": True},
     )
-    _, tok = _hf(str(default_model_dir))
+    tok = _tokenizer(str(default_model_dir))
     expected = hf_beam_texts(default_model_dir, tok(prompt)["input_ids"], 3, 0.8, True)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == expected
@@ -104,7 +88,7 @@ def test_chat_returns_transformers_beams(client: openai.OpenAI, default_model_di
         max_tokens=MAX_NEW,
         extra_body={"use_beam_search": True, "early_stopping": "never"},
     )
-    _, tok = _hf(str(default_model_dir))
+    tok = _tokenizer(str(default_model_dir))
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt_ids, list):  # transformers 5 may hand back a BatchEncoding
         prompt_ids = prompt_ids["input_ids"]
