@@ -3,8 +3,10 @@ front of two replicas on the default model, over loopback. The same multi-turn w
 turn resends the conversation so far) goes through the router under `round_robin`, then under
 `cache_aware`: routing each conversation back to the replica that holds its prefix must show in
 the replicas' own prefix-cache counters. Under `least_load`, a replica kept busy gets few of
-the new requests. A replica killed under load: its in-flight streams end visibly, never hang,
-the router keeps serving from the other, and the replica restarted on its port rejoins."""
+the new requests. A Responses conversation continued through the router lands on the other
+replica and still sees its history, through the Redis store the replicas share. A replica killed
+under load: its in-flight streams end visibly, never hang, the router keeps serving from the
+other, and the replica restarted on its port rejoins."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.redis_server import running_redis
 from tests.support.server_harness import (
     MODEL,
     Daemon,
@@ -45,29 +48,26 @@ def replicas(
     default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Daemon]]:
     started: list[Daemon] = []
-    try:
-        for i in range(2):
-            folder = tmp_path_factory.mktemp(f"replica{i}")
-            started.append(
-                start_daemon(
-                    folder,
-                    [
-                        str(default_model_dir),
-                        "--served-model-name",
-                        MODEL,
-                        "--max-num-seqs",
-                        str(MAX_NUM_SEQS),
-                        # vLLM's metric names: SMG reads a vLLM-like worker's load from them.
-                        "--metrics-names",
-                        "vllm",
-                    ],
-                    env={"PAGEDSERVE_CACHE_DIR": str(folder)},
+    with running_redis(tmp_path_factory.mktemp("redis")) as store:
+        try:
+            for i in range(2):
+                folder = tmp_path_factory.mktemp(f"replica{i}")
+                argv = [
+                    str(default_model_dir),
+                    "--served-model-name", MODEL,
+                    "--max-num-seqs", str(MAX_NUM_SEQS),
+                    # vLLM's metric names: SMG reads a vLLM-like worker's load from them.
+                    "--metrics-names", "vllm",
+                    # One response store for all replicas, as behind any load balancer.
+                    "--responses-store", store,
+                ]  # fmt: skip
+                started.append(
+                    start_daemon(folder, argv, env={"PAGEDSERVE_CACHE_DIR": str(folder)})
                 )
-            )
-        yield started
-    finally:
-        for daemon in started:
-            stop(daemon)
+            yield started
+        finally:
+            for daemon in started:
+                stop(daemon)
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -239,6 +239,50 @@ def test_least_load_sends_new_requests_away_from_a_busy_replica(
     assert sum(served) == n
     # Round robin would give each replica half; least load sends them to the idle one.
     assert served[1] >= n - 1, served
+
+
+def respond(url: str, text: str, previous: str | None = None) -> dict:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 8, "temperature": 0}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    response = httpx.post(url + "/v1/responses", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def text(response: dict) -> str:
+    return response["output"][0]["content"][0]["text"]
+
+
+def test_a_responses_conversation_continues_on_the_other_replica(
+    replicas: list[Daemon], tmp_path: Path
+) -> None:
+    before = [scrape(r.url) for r in replicas]
+    process, url = router(replicas, "round_robin", tmp_path / "smg-responses.log")
+    try:
+        first = respond(url, "Name a colour.")
+        second = respond(url, "And another one.", previous=first["id"])
+    finally:
+        process.terminate()
+        process.wait(10)
+    after = [scrape(r.url) for r in replicas]
+    served = [
+        value(a, "request_success_total", finished_reason="length")
+        + value(a, "request_success_total", finished_reason="stop")
+        - value(b, "request_success_total", finished_reason="length")
+        - value(b, "request_success_total", finished_reason="stop")
+        for a, b in zip(after, before)
+    ]
+    assert served == [1, 1], served  # round robin: each turn on its own replica
+    assert second["previous_response_id"] == first["id"]
+    # The continuation saw the first turn: it equals the same continuation sent straight to
+    # each replica (greedy), and differs from the question asked with no history.
+    for replica in replicas:
+        alone = respond(replica.url, "And another one.", previous=first["id"])
+        assert text(alone) == text(second)
+        assert alone["usage"]["input_tokens"] == second["usage"]["input_tokens"]
+    fresh = respond(replicas[0].url, "And another one.")
+    assert fresh["usage"]["input_tokens"] < second["usage"]["input_tokens"]
 
 
 def stream(url: str, i: int) -> str:
