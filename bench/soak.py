@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,14 +200,15 @@ async def drive(args: argparse.Namespace, base_url: str, pid: int) -> dict[str, 
     }
 
 
-def start_server(port: int, cache: str) -> tuple[subprocess.Popen, str]:
-    """`pagedserve serve` on the default model at 127.0.0.1:`port`, with `cache` as its cache
-    directory, once /health answers 200 (or after 300 s); the process and its base URL."""
+def start_server(port: int, cache: str, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`pagedserve serve` on the default model at 127.0.0.1:`port` (with the flags `extra`),
+    with `cache` as its cache directory, once /health answers 200 (or after 300 s); the process
+    and its base URL."""
     # The converted default model is reused from the usual cache, not rebuilt in `cache`.
     default = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache/pagedserve"))
     model = default / MODEL
     argv = [sys.executable, "-m", "server.cli", "serve", *([str(model)] if model.exists() else [])]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra]
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": cache}
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
