@@ -7,6 +7,13 @@ token limit, as a new user would write them. Prints, per case, how many runs gav
 
 Compare two servers side by side, e.g. `serve --json-whitespace 0` (compact JSON only) against
 the default.
+
+    python bench/agent_typed_outputs.py --raw 128 [--schema-hint]
+
+sends instead `--raw` plain chat requests with the same schema as a `json_schema` response format
+(8 at a time, seeds 0..N-1, the clients' default temperature), and prints how many ran to the
+token limit, with their texts: what the model writes when it does not end. `--schema-hint`
+adds a system message that shows the schema, as a client may.
 """
 
 from __future__ import annotations
@@ -85,12 +92,51 @@ def agents_case(base_url: str, max_tokens: int, api: str) -> Callable[[str], Any
     return run
 
 
+def raw_runs(base_url: str, runs: int, max_tokens: int, hint: bool) -> None:
+    import json
+
+    import httpx
+
+    schema = Person.model_json_schema()
+    system = [{"role": "system", "content": "Respond with JSON matching: " + json.dumps(schema)}]
+
+    async def one(client: httpx.AsyncClient, i: int, slots: asyncio.Semaphore) -> dict:
+        body = {
+            "model": MODEL,
+            "messages": (system if hint else []) + [{"role": "user", "content": ASKS[i % 4]}],
+            "max_tokens": max_tokens,
+            "seed": i,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "Person", "schema": schema},
+            },
+        }
+        async with slots:
+            response = await client.post("/v1/chat/completions", json=body)
+        return response.json()["choices"][0]
+
+    async def all_runs() -> list[dict]:
+        slots = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+            return await asyncio.gather(*(one(client, i, slots) for i in range(runs)))
+
+    cut = [c["message"]["content"] for c in asyncio.run(all_runs()) if c["finish_reason"] != "stop"]
+    print(f"ran to the token limit: {len(cut)}/{runs}")
+    for text in cut:
+        print("  " + repr(text)[:160])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--runs", type=int, default=4, help="asks per case (cycling the prompts)")
     parser.add_argument("--max-tokens", type=int, default=120)
+    parser.add_argument("--raw", type=int, default=0, help="plain json_schema chat requests")
+    parser.add_argument("--schema-hint", action="store_true")
     args = parser.parse_args()
+    if args.raw:
+        raw_runs(args.base_url, args.raw, args.max_tokens, args.schema_hint)
+        return
     cases = {
         "langchain json_schema": langchain_case(args.base_url, args.max_tokens, "json_schema"),
         "langchain function_calling": langchain_case(
