@@ -71,11 +71,19 @@ async def embed_inputs(
     request: Request,
     request_id: str,
     inputs: list[RawInput],
-    field: str,
+    fields: list[str],
     truncate: int | None,
     params: PoolingParams,
 ) -> Pooled:
-    for item in inputs:
+    """Embeds `inputs`; `fields[i]` is the request field input i came from, which its errors
+    name (with its place in that field when the field holds several)."""
+    places = [fields[:i].count(f) for i, f in enumerate(fields)]
+    several = {f for f in fields if fields.count(f) > 1}
+
+    def where(i: int) -> str:
+        return f"{fields[i]} {places[i]}" if fields[i] in several else fields[i]
+
+    for field, item in zip(fields, inputs):
         if isinstance(item, str) and not item:
             raise invalid(f"{field} must not hold an empty string", field)
     count = truncation(truncate, state.max_model_len)
@@ -85,13 +93,13 @@ async def embed_inputs(
     for i, (item, ids) in enumerate(zip(inputs, token_ids)):
         if limit is not None and len(ids) > limit:
             raise invalid(
-                f"{field} {i} has {len(ids)} tokens, more than this server's limit of {limit} "
+                f"{where(i)} has {len(ids)} tokens, more than this server's limit of {limit} "
                 "(--max-prompt-tokens)",
-                field,
+                fields[i],
             )
         submitted.append(
             await state.engine.submit_pooling(
-                PoolingRequest(f"{request_id}-{i}", item, ids, params, field)
+                PoolingRequest(f"{request_id}-{i}", item, ids, params, fields[i])
             )
         )
     streams = [state.generate(request, s) for s in submitted]

@@ -52,7 +52,7 @@ async def create_score(state: ServerState, req: ScoreRequest, request: Request) 
         request,
         f"score-{uuid.uuid4().hex}",
         inputs,
-        "text_2",
+        ["text_1"] * len(first) + ["text_2"] * len(second),
         req.truncate_prompt_tokens,
         PoolingParams(),
     )
@@ -80,7 +80,7 @@ async def create_rerank(state: ServerState, req: RerankRequest, request: Request
         request,
         f"rerank-{uuid.uuid4().hex}",
         inputs,
-        "documents",
+        ["query"] + ["documents"] * len(req.documents),
         req.truncate_prompt_tokens,
         PoolingParams(),
     )

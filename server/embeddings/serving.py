@@ -36,7 +36,7 @@ async def create_embedding(
         request,
         f"embd-{uuid.uuid4().hex}",
         inputs,
-        "input",
+        ["input"] * len(inputs),
         req.truncate_prompt_tokens,
         PoolingParams(dimensions=req.dimensions),
     )

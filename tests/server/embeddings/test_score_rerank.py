@@ -20,6 +20,7 @@ DOCS = [
     "The stock market fell sharply today.",
     "Leaves contain chlorophyll, which captures light energy.",
 ]
+LONG = "word " * 600
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,11 @@ def test_score_one_to_many_and_pairwise(server, path: str) -> None:
         ("/v1/rerank", {"documents": ["d"]}, "query"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
         ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+        # Past the model's 512 positions: the error names the field the long text came in.
+        ("/v1/score", {"text_1": LONG, "text_2": ["d", "e"]}, "text_1"),
+        ("/v1/score", {"text_1": "a", "text_2": ["d", LONG]}, "text_2"),
+        ("/v1/rerank", {"query": LONG, "documents": ["d"]}, "query"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["d", LONG]}, "documents"),
     ],
 )
 def test_bad_input_is_a_400(server, path: str, body: dict, field: str) -> None:
