@@ -16,15 +16,13 @@ from transformers import PreTrainedTokenizerBase
 from config import ServerConfig
 from engine import PoolingRequestOutput, RequestOutput
 from engine.client import EngineClient
+from engine.loading.default_model import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
 from server.errors import APIError, model_not_found
 from server.http.admission import Gate
 
 T = TypeVar("T")
 # A generation's outputs, or a pooling request's one output: both pass the admission gate alike.
 Out = TypeVar("Out", RequestOutput, PoolingRequestOutput)
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def served_model_names(engine: EngineClient, config: ServerConfig) -> list[str]:
