@@ -23,6 +23,8 @@ from config.kv_events_config import KVEventsConfig, parse_kv_events_config
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+# vLLM's --quantization names that pagedserve serves (int8: its own, of a bf16/float32 checkpoint).
+Quantization = Literal["int8"]
 
 
 class ConfigError(ValueError):
@@ -89,6 +91,11 @@ class ModelConfig(_Strict):
         description="make a request's output independent of the batch it runs in (bfloat16 on the CPU): every "
         "row of every linear and every attention row computed in one fixed order; prefill is slower",
     )
+    quantization: Quantization | None = Field(
+        None,
+        description="weight quantization (int8: every linear weight quantized at load to int8 with a "
+        "float32 scale per output row, for the CPU's int8 kernel; default: the checkpoint's weights)",
+    )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",
         description="generate: text generation; pooling: embeddings (/v1/embeddings, /v1/score, "
@@ -112,6 +119,10 @@ class ModelConfig(_Strict):
         if self.batch_invariant and self.enforce_eager:
             raise ValueError(
                 f"{flag('batch_invariant')} needs the prepacked CPU weights that {flag('enforce_eager')} turns off"
+            )
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError(
+                f"{flag('batch_invariant')} runs the bfloat16 kernel: not with {flag('quantization')}"
             )
         return self
 

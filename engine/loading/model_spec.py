@@ -42,6 +42,7 @@ class ModelSpec:
     tensor_parallel_size: int
     # Set when the engine pools (--runner pooling, or auto on an encoder): embeddings, no text.
     pooler: PoolerSpec | None = None
+    quantization: str | None = None  # --quantization
 
     @property
     def vocab_size(self) -> int:
@@ -129,6 +130,12 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         log.info(
             "batch-invariant: every row in a fixed order (linears and attention); prefill is slower"
         )
+    quantization = config.model.quantization
+    if quantization is not None:
+        why_not = quantization_unfit(device, info, tp_size)
+        if why_not is not None:
+            raise ConfigError(f"--quantization {quantization}: {why_not}")
+        log.info("weights: %s (quantized at load)", quantization)
     return ModelSpec(
         path=path,
         tokenizer_path=path if config.model.tokenizer is None else tokenizer_path(config.model),
@@ -142,7 +149,20 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         max_model_len=config.resolve_max_model_len(context_limit(hf_config, path)),
         tensor_parallel_size=tp_size,
         pooler=pooler,
+        quantization=quantization,
     )
+
+
+def quantization_unfit(device: str, info: ArchitectureInfo, tp_size: int) -> str | None:
+    """Why weight quantization cannot run here, or None: its kernel is the CPU's, for the linears
+    of a decoder on one rank."""
+    if device != "cpu":
+        return f"it runs on the CPU, not {device}"
+    if info.encoder:
+        return "it is for decoder models"
+    if tp_size > 1:
+        return "it runs on one rank, not --tensor-parallel-size > 1"
+    return None
 
 
 def batch_invariance_unfit(

@@ -30,6 +30,8 @@ from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.weights import load_checkpoint
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu import weight_only
+from kernels.cpu.int8_layout import PackedInt8
 from kernels.cpu.packed_linear import linear
 
 # Checkpoint module names fused into one of ours: name -> (our name, part).
@@ -84,6 +86,7 @@ class DecoderModel(nn.Module):
         # What a platform may give the model after loading (engine/worker/cpu/ on the CPU):
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
         self.lm_head_packed_own = False  # in kernels/cpu/bf16_linear's layout (else oneDNN's)
+        self.lm_head_quantized: PackedInt8 | None = None  # the tied head as int8 (--quantization)
         self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
         self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
 
@@ -176,7 +179,9 @@ class DecoderModel(nn.Module):
         return self.norm(x, self.fused_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.tie_word_embeddings:
+        if self.lm_head_quantized is not None:
+            logits = weight_only.linear(hidden, self.lm_head_quantized, None)
+        elif self.tie_word_embeddings:
             logits = linear(
                 hidden, self.embed_tokens.weight, self.lm_head_packed, None, self.lm_head_packed_own
             )

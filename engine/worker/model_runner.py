@@ -19,6 +19,7 @@ from engine.loading.model_spec import ModelSpec
 from engine.models.interface import CausalLM
 from engine.pooling import pool
 from engine.worker.cpu import prepare_model
+from engine.worker.cpu.quantize import quantize_int8
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, build_backend
@@ -172,6 +173,10 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
     model = load_model(spec, shard, torch.device(device))
     invariant = config.model.batch_invariant
     backend = build_backend(spec.attention_backend, rows_alone=invariant)
+    if spec.quantization == "int8":
+        count = quantize_int8(model)
+        if shard.rank == 0:
+            log.info("%d linear weights quantized to int8 (one scale per output row)", count)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
     if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
         prepare_model(model, backend, log_here=shard.rank == 0, fixed_order=invariant)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kernels.cpu import (  # noqa: F401
     bf16_linear,
     fused_ops,
+    int8_linear,
     paged_attention_op,
     prefill_attention_op,
 )
@@ -16,22 +17,27 @@ from kernels.cpu.extension import load
 LayerStack = load("layer_stack").LayerStack
 
 # The tensors that describe one layer, in the order the C++ constructor reads them (None where a
-# layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not).
+# layer has no such tensor: a bias, a q/k norm, a weight that was prepacked or not; the scales
+# of a weight quantized to int8, whose `packed` is then the int8 weight).
 LAYER_TENSORS = (
     "input_norm",
     "qkv_weight",
     "qkv_packed",
+    "qkv_scales",
     "qkv_bias",
     "q_norm",
     "k_norm",
     "o_weight",
     "o_packed",
+    "o_scales",
     "o_bias",
     "post_norm",
     "gate_up_weight",
     "gate_up_packed",
+    "gate_up_scales",
     "gate_up_bias",
     "down_weight",
     "down_packed",
+    "down_scales",
     "down_bias",
 )

@@ -25,6 +25,8 @@ from torch import nn
 
 from engine.distributed.shard import Shard, all_reduce
 from engine.errors import ModelLoadError
+from kernels.cpu import weight_only
+from kernels.cpu.int8_layout import PackedInt8
 from kernels.cpu.packed_linear import linear
 
 
@@ -43,10 +45,13 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class PackableLinear(nn.Module):
     """A linear layer that runs on its prepacked CPU weight once the CPU path made one
-    (engine/worker/cpu/)."""
+    (engine/worker/cpu/), or on its int8 weight once quantized (--quantization)."""
 
     packed: torch.Tensor | None = None
     packed_own: bool = False  # `packed` is in kernels/cpu/bf16_linear's layout (else oneDNN's)
+    # The weight as int8 (`weight` is then None) and the bias in float32, as the kernel reads it.
+    quantized: PackedInt8 | None = None
+    quantized_bias: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -54,7 +59,15 @@ class PackableLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.bias, self.packed_own)
+        return self.matmul(x, with_bias=True)
+
+    def matmul(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        """x @ weight.T (+ bias) through whichever copy of the weight this layer keeps."""
+        if self.quantized is not None:
+            return weight_only.linear(x, self.quantized, self.quantized_bias if with_bias else None)
+        return linear(
+            x, self.weight, self.packed, self.bias if with_bias else None, self.packed_own
+        )
 
 
 class ReplicatedLinear(PackableLinear):
@@ -119,8 +132,8 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return linear(x, self.weight, self.packed, self.bias, self.packed_own)
-        y = all_reduce(linear(x, self.weight, self.packed, None, self.packed_own), self.shard)
+            return self.matmul(x, with_bias=True)
+        y = all_reduce(self.matmul(x, with_bias=False), self.shard)
         return y if self.bias is None else y + self.bias
 
 

@@ -32,12 +32,12 @@ def pack_weights(model: CausalLM, fixed_order: bool = False) -> bool:
                 "--batch-invariant: the weights cannot take the fixed-order linear kernel"
             )
         return False
-    if model.tie_word_embeddings:
+    if model.tie_word_embeddings and model.lm_head_quantized is None:
         model.lm_head_packed = pack(model.embed_tokens.weight, own)
         model.lm_head_packed_own = own
     for name, module in model.named_modules():
         weight = module.weight if isinstance(module, PackableLinear) else None
-        if weight is None:
+        if weight is None:  # not a linear, or quantized (--quantization)
             continue
         if not can_pack(weight, own):
             if fixed_order:
