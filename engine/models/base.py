@@ -31,8 +31,8 @@ from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.weights import load_checkpoint
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu import weight_only
-from kernels.cpu.int8_layout import PackedInt8
 from kernels.cpu.packed_linear import linear
+from kernels.cpu.quant_layout import PackedWeight
 
 # Checkpoint module names fused into one of ours: name -> (our name, part).
 FUSED_QKV_GATE_UP = {
@@ -86,7 +86,7 @@ class DecoderModel(nn.Module):
         # What a platform may give the model after loading (engine/worker/cpu/ on the CPU):
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
         self.lm_head_packed_own = False  # in kernels/cpu/bf16_linear's layout (else oneDNN's)
-        self.lm_head_quantized: PackedInt8 | None = None  # the tied head as int8 (--quantization)
+        self.lm_head_quantized: PackedWeight | None = None  # the tied head, quantized
         self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
         self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
 

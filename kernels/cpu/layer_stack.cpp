@@ -9,10 +9,10 @@
 // into that norm (add_rms_norm rounds the sum as torch's add does).
 //
 // The fused ops and the attention kernels are reached as torch operators (registered by
-// fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp, bf16_linear.cpp and int8_linear.cpp,
+// fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp, bf16_linear.cpp and quant_linear.cpp,
 // which must be loaded first); the linear layers through the kernel the weights were packed for
-// (bf16_linear or oneDNN's prepacked matmul, kernels/cpu/packed_linear.py; int8_linear for
-// weights quantized with --quantization), else at::linear.
+// (bf16_linear or oneDNN's prepacked matmul, kernels/cpu/packed_linear.py; quant_linear for
+// quantized weights), else at::linear.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,9 +52,11 @@ struct Ops {
                                 .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                             int64_t)>();
-    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>
-        int8_linear = op("pagedserve::int8_linear")
-                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+    c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                        const OptTensor&)>
+        quant_linear = op("pagedserve::quant_linear")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                             const OptTensor&)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> bf16_linear =
         op("pagedserve::bf16_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
@@ -65,13 +67,14 @@ struct Ops {
 };
 
 struct Linear {
-    // The weight as loaded, or its packed copy; with `scales`, `packed` is the int8 weight (and
-    // `bias` float32), as kernels/cpu/int8_layout.py lays them out.
-    OptTensor weight, packed, scales, bias;
+    // The weight as loaded, or its packed copy; with `scales`, `packed` is the quantized weight
+    // (with `mins` where its format has them, `bias` float32), as kernels/cpu/quant_layout.py
+    // lays them out.
+    OptTensor weight, packed, scales, mins, bias;
 
     // `own_layout`: packed for bf16_linear, else for oneDNN.
     at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool own_layout) const {
-        if (scales) return ops.int8_linear.call(x, *packed, *scales, bias);
+        if (scales) return ops.quant_linear.call(x, *packed, *scales, mins, bias);
         if (!packed) return at::linear(x, *weight, bias);
         if (own_layout) return ops.bf16_linear.call(x, *packed, bias);
         return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
@@ -79,9 +82,9 @@ struct Linear {
 };
 
 // How many tensors (or Nones) describe one layer, in the order of LAYER_TENSORS in
-// kernels/cpu/layer_stack.py: 0 the input norm, 1-4 qkv (weight, packed, scales, bias), 5-6 the
-// q and k norms, 7-10 o, 11 the post-attention norm, 12-15 gate_up, 16-19 down.
-constexpr size_t kTensorsPerLayer = 20;
+// kernels/cpu/layer_stack.py: 0 the input norm, 1-5 qkv (weight, packed, scales, mins, bias), 6-7
+// the q and k norms, 8-12 o, 13 the post-attention norm, 14-18 gate_up, 19-23 down.
+constexpr size_t kTensorsPerLayer = 24;
 
 struct Layer {
     at::Tensor input_norm, post_norm;
@@ -109,9 +112,9 @@ class LayerStack {
                     "LayerStack: ", kTensorsPerLayer, " tensors, a window and a plan per layer");
         for (size_t i = 0; i < windows.size(); ++i) {
             const OptTensor* t = tensors.data() + i * kTensorsPerLayer;
-            layers_.push_back(Layer{*t[0], *t[11], t[5], t[6], Linear{t[1], t[2], t[3], t[4]},
-                                    Linear{t[7], t[8], t[9], t[10]}, Linear{t[12], t[13], t[14], t[15]},
-                                    Linear{t[16], t[17], t[18], t[19]}, windows[i], plans[i]});
+            layers_.push_back(Layer{*t[0], *t[13], t[6], t[7], Linear{t[1], t[2], t[3], t[4], t[5]},
+                                    Linear{t[8], t[9], t[10], t[11], t[12]}, Linear{t[14], t[15], t[16], t[17], t[18]},
+                                    Linear{t[19], t[20], t[21], t[22], t[23]}, windows[i], plans[i]});
         }
     }
 

@@ -32,7 +32,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "bf16_linear": (),
     "fused_ops": ("-ffp-contract=off",),
     "layer_stack": (),
-    "int8_linear": (),
+    "quant_linear": (),
 }
 
 # -fopenmp: at::parallel_for (a header template) runs every work item on one thread without it;

@@ -13,7 +13,7 @@ from torch import nn
 from config import ConfigError
 from engine import LLM, SamplingParams
 from engine.models.layers.linear import PackableLinear
-from kernels.cpu.int8_layout import quantize
+from kernels.cpu.quant_layout import quantize
 
 PROMPTS = [[1, 15, 27, 99, 4, 8], [3, 200, 17], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
 MAX_TOKENS = 12

@@ -26,8 +26,8 @@ from torch import nn
 from engine.distributed.shard import Shard, all_reduce
 from engine.errors import ModelLoadError
 from kernels.cpu import weight_only
-from kernels.cpu.int8_layout import PackedInt8
 from kernels.cpu.packed_linear import linear
+from kernels.cpu.quant_layout import PackedWeight
 
 
 class CheckpointTensor(Protocol):
@@ -45,12 +45,12 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class PackableLinear(nn.Module):
     """A linear layer that runs on its prepacked CPU weight once the CPU path made one
-    (engine/worker/cpu/), or on its int8 weight once quantized (--quantization)."""
+    (engine/worker/cpu/), or on its quantized weight (--quantization, a GGUF file)."""
 
     packed: torch.Tensor | None = None
     packed_own: bool = False  # `packed` is in kernels/cpu/bf16_linear's layout (else oneDNN's)
-    # The weight as int8 (`weight` is then None) and the bias in float32, as the kernel reads it.
-    quantized: PackedInt8 | None = None
+    # The weight quantized (`weight` is then None) and the bias in float32, as the kernel reads it.
+    quantized: PackedWeight | None = None
     quantized_bias: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:

@@ -24,17 +24,19 @@ from kernels.kv_store import stored_rows
 
 
 def _linear(name: str, layer: PackableLinear) -> dict[str, torch.Tensor | None]:
-    if layer.quantized is not None:  # int8 (--quantization): the C++ loop calls int8_linear
+    if layer.quantized is not None:  # int8 or 4-bit: the C++ loop calls quant_linear
         return {
             f"{name}_weight": None,
             f"{name}_packed": layer.quantized.q,
             f"{name}_scales": layer.quantized.scales,
+            f"{name}_mins": layer.quantized.mins,
             f"{name}_bias": layer.quantized_bias,
         }
     return {
         f"{name}_weight": layer.weight,
         f"{name}_packed": layer.packed,
         f"{name}_scales": None,
+        f"{name}_mins": None,
         f"{name}_bias": layer.bias,
     }
 

@@ -1,5 +1,5 @@
 """--quantization int8: every linear weight of a loaded model (the tied head too) quantized to
-int8 with one float32 scale per output row, for kernels/cpu/int8_linear; the embedding lookup
+int8 with one float32 scale per output row, for kernels/cpu/quant_linear; the embedding lookup
 keeps the weight as loaded. Decode reads each weight once a step: int8 is half bf16's bytes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import PackableLinear
-from kernels.cpu.int8_layout import pack, quantize
+from kernels.cpu.quant_layout import pack, quantize
 
 
 def quantize_int8(model: CausalLM) -> int:

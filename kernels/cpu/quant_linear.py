@@ -1,0 +1,32 @@
+"""Weight-only quantized linear layers on the CPU (quant_linear.cpp, built with the package;
+kernels/cpu/extension.py loads it): x [rows, k] bf16 or float32 against a PackedWeight
+(kernels/cpu/quant_layout, 8-bit or 4-bit), float32 sums, the result in x's dtype. The
+AVX512-BF16 code where the CPU has it, else a portable loop; kernels/cpu/weight_only falls back
+to torch where the module does not load at all."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu.extension import load
+from kernels.cpu.quant_layout import PackedWeight
+
+_module = load("quant_linear")
+
+# Whether this CPU takes the vector code (AVX512-BF16) rather than the portable loop.
+VECTOR: bool = _module.vector_path()
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, k] @ de-quantized weight.T + bias (bias float32 [n] or None)."""
+    return torch.ops.pagedserve.quant_linear(
+        x.contiguous(), weight.q, weight.scales, weight.mins, bias
+    )
+
+
+def linear_portable(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The same through the portable loop whatever this CPU has (to check it where it is not
+    the one that runs)."""
+    return _module.linear_portable(x.contiguous(), weight.q, weight.scales, weight.mins, bias)
