@@ -24,7 +24,7 @@ from config.kv_events_config import KVEventsConfig, parse_kv_events_config
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 # vLLM's --quantization names that pagedserve serves (int8: its own, of a bf16/float32 checkpoint).
-Quantization = Literal["int8"]
+Quantization = Literal["int8", "gguf"]
 
 
 class ConfigError(ValueError):
@@ -94,7 +94,9 @@ class ModelConfig(_Strict):
     quantization: Quantization | None = Field(
         None,
         description="weight quantization (int8: every linear weight quantized at load to int8 with a "
-        "float32 scale per output row, for the CPU's int8 kernel; default: the checkpoint's weights)",
+        "float32 scale per output row; gguf: a .gguf file's Q8_0/Q4_0/Q4_1 blocks as they are, the "
+        "default model's own file when no model is named; a .gguf model is gguf without the flag; "
+        "default: the checkpoint's weights)",
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",

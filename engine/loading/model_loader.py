@@ -47,9 +47,20 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
         model = model_class(spec.architecture)(spec.hf_config, shard)
     module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()
     model = cast(CausalLM, module)
-    model.load_weights(iter_safetensors(spec.path))
+    source: Path = spec.path
+    if spec.gguf_file is not None:
+        from engine.loading.gguf_loader import load_gguf
+        from engine.models.base import DecoderModel
+
+        if not isinstance(model, DecoderModel):
+            raise ModelLoadError(f"{spec.gguf_file}: GGUF weights are read for decoder models")
+        counts = load_gguf(model, spec.gguf_file, spec.hf_config)
+        source = spec.gguf_file
+        log.info(
+            "GGUF tensors read as stored: %s", ", ".join(f"{n} {t}" for t, n in counts.items())
+        )
+    else:
+        model.load_weights(iter_safetensors(spec.path))
     where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
-    log.info(
-        "loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, spec.path
-    )
+    log.info("loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, source)
     return model

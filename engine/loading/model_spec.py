@@ -16,6 +16,8 @@ from transformers import PretrainedConfig
 from config import ConfigError, EngineConfig
 from engine.distributed.shard import Shard, check_shardable
 from engine.errors import ModelLoadError
+from engine.loading.default_model import gguf_path
+from engine.loading.gguf_metadata import is_gguf
 from engine.loading.hub import tokenizer_path
 from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
@@ -42,7 +44,8 @@ class ModelSpec:
     tensor_parallel_size: int
     # Set when the engine pools (--runner pooling, or auto on an encoder): embeddings, no text.
     pooler: PoolerSpec | None = None
-    quantization: str | None = None  # --quantization
+    quantization: str | None = None  # --quantization (gguf: also a .gguf model)
+    gguf_file: Path | None = None  # the weights, read from their blocks (--quantization gguf)
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +133,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         log.info(
             "batch-invariant: every row in a fixed order (linears and attention); prefill is slower"
         )
-    quantization = config.model.quantization
+    quantization, gguf_file = resolve_quantization(config)
     if quantization is not None:
         why_not = quantization_unfit(device, info, tp_size)
         if why_not is not None:
@@ -150,7 +153,29 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         tensor_parallel_size=tp_size,
         pooler=pooler,
         quantization=quantization,
+        gguf_file=gguf_file,
     )
+
+
+def resolve_quantization(config: EngineConfig) -> tuple[str | None, Path | None]:
+    """--quantization, and the GGUF file whose blocks are the weights: the named .gguf model
+    (gguf whether or not the flag says so), or the default model's own file."""
+    named, model = config.model.quantization, config.model.model
+    if model is not None and is_gguf(model):
+        if named not in (None, "gguf"):
+            raise ConfigError(
+                f"--quantization {named}: a .gguf model is served from its own blocks "
+                "(--quantization gguf, or no flag)"
+            )
+        return "gguf", Path(model).expanduser()
+    if named == "gguf":
+        if model is not None:
+            raise ConfigError(
+                f"--quantization gguf: serves a .gguf file (or, with no model, the default "
+                f"model's), not {model}"
+            )
+        return "gguf", gguf_path()
+    return named, None
 
 
 def quantization_unfit(device: str, info: ArchitectureInfo, tp_size: int) -> str | None:

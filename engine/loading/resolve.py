@@ -10,7 +10,12 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.loading.default_model import default_embedding_model_dir, default_model_dir
+from engine.loading.default_model import (
+    default_embedding_model_dir,
+    default_model_dir,
+    gguf_path,
+)
+from engine.loading.gguf_metadata import is_gguf, metadata_dir
 from engine.loading.hub import download_model, is_repo_id
 from engine.models.registry import resolve_architecture
 
@@ -23,6 +28,10 @@ def resolve_model_path(config: ModelConfig) -> Path:
             return default_embedding_model_dir()
         return default_model_dir(config.model_cache_dir)
     path = Path(config.model).expanduser()
+    if is_gguf(config.model):  # its config and tokenizer, written once; its weights stay in it
+        if path.is_file() and path.resolve() == gguf_path().resolve():
+            return default_model_dir(config.model_cache_dir)  # the default model's: already
+        return metadata_dir(path, config.model_cache_dir)
     if not path.is_dir() and is_repo_id(config.model):  # an existing folder wins over a repo id
         path = download_model(config.model, config.revision, config.download_dir, _check_servable)
     if not path.is_dir():

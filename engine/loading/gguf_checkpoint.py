@@ -1,0 +1,150 @@
+"""A GGUF file's tensors as Hugging Face names and either plain tensors or quantized blocks
+(kernels/cpu/quant_layout), read with the `gguf` package: Q8_0, Q4_0 and Q4_1 blocks become
+the quantized kernel's integers, scales and mins directly, never bf16. Llama-architecture files
+(llama.cpp's own name scheme; its converter permutes the q and k rows for its rotary layout,
+which is undone here on the integer rows, exactly). What cannot be read is a ModelLoadError
+naming the file and the tensor."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+from kernels.cpu.quant_layout import QuantizedWeight
+
+GROUP = 32  # values per block of each of the quantized types read here
+# type name -> (bytes per block, header float16 fields: d, or d and m)
+QUANTIZED = {"Q8_0": (34, 1), "Q4_0": (18, 1), "Q4_1": (20, 2)}
+DENSE = {"F32": np.float32, "F16": np.float16}
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None: one the model does not use, such as a
+    rotary frequency table that the config describes)."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match is not None:
+        layer, kind, what = match.groups()
+        return f"model.layers.{layer}.{_LAYER[kind]}.{what}" if kind in _LAYER else None
+    base, _, what = name.rpartition(".")
+    return f"{_TOP[base]}.{what}" if base in _TOP else None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str  # GGUF's
+    hf_name: str
+    type: str
+    data: np.ndarray  # as the file holds it: [rows, bytes] for quantized types
+
+
+def _architecture(reader: object, path: Path) -> str:
+    field = reader.fields.get("general.architecture")  # type: ignore[attr-defined]
+    if field is None:
+        raise ModelLoadError(f"{path}: no general.architecture in its metadata")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def read_tensors(path: Path) -> Iterator[GGUFTensor]:
+    """Every tensor the model uses, checked against the size its type and shape require."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # a truncated or corrupt header: numpy and struct errors alike
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"
+        ) from exc
+    arch = _architecture(reader, path)
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r}; pagedserve reads llama files")
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in QUANTIZED and kind not in DENSE:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} is {kind}, which pagedserve does not read "
+                f"(it reads {', '.join([*DENSE, *QUANTIZED])})"
+            )
+        elements = int(np.prod(tensor.shape))
+        if kind in QUANTIZED:
+            block_bytes = QUANTIZED[kind][0]
+            expected = elements // GROUP * block_bytes
+            if elements % GROUP or int(tensor.shape[0]) % GROUP:
+                raise ModelLoadError(
+                    f"{path}: tensor {tensor.name} ({kind}) rows of {tensor.shape[0]} values are "
+                    f"not whole blocks of {GROUP}"
+                )
+        else:
+            expected = elements * np.dtype(DENSE[kind]).itemsize
+        if tensor.data.nbytes != expected:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} holds {tensor.data.nbytes} bytes, its type {kind} "
+                f"and shape {list(tensor.shape)} need {expected}: the file is truncated or corrupt"
+            )
+        yield GGUFTensor(tensor.name, name, kind, tensor.data)
+
+
+def dense(tensor: GGUFTensor) -> torch.Tensor:
+    """A plain tensor in float32 (or float16 as stored), in Hugging Face's [out, in] order."""
+    return torch.from_numpy(np.array(tensor.data, dtype=DENSE[tensor.type]))
+
+
+def quantized(tensor: GGUFTensor) -> QuantizedWeight:
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as the kernel's integers, scales and mins."""
+    block_bytes, halves = QUANTIZED[tensor.type]
+    raw = np.ascontiguousarray(tensor.data)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)
+    header = blocks[..., : 2 * halves].copy().view(np.float16).astype(np.float32)
+    scales = torch.from_numpy(np.ascontiguousarray(header[..., 0]))
+    payload = blocks[..., 2 * halves :]
+    if tensor.type == "Q8_0":
+        q = torch.from_numpy(payload.copy().view(np.int8).reshape(rows, -1))
+        return QuantizedWeight(q, scales)
+    # 4-bit: byte j of a block holds value j in its low nibble and value j + 16 in its high one.
+    nibbles = np.concatenate([payload & 0x0F, payload >> 4], axis=-1).astype(np.int8)
+    q = torch.from_numpy(nibbles.reshape(rows, -1))
+    if tensor.type == "Q4_1":
+        mins = torch.from_numpy(np.ascontiguousarray(header[..., 1]))
+    else:  # Q4_0: d * (q - 8)
+        mins = scales * -8.0
+    return QuantizedWeight(q, scales, mins, bits=4)
+
+
+def unpermute_rows(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
+    """llama.cpp's converter stores each q (k) head's rows as interleaved pairs of the rotary
+    halves; Hugging Face's layout has the halves apart. A permutation of whole rows, so the
+    blocks move as they are."""
+    n = weight.q.shape[0]
+    half = n // heads // 2
+    order = torch.arange(n).view(heads, half, 2).transpose(1, 2).reshape(-1)
+    mins = None if weight.mins is None else weight.mins[order]
+    return QuantizedWeight(weight.q[order], weight.scales[order], mins, weight.bits)
+
+
+def unpermute_dense(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    n = weight.shape[0]
+    half = n // heads // 2
+    order = torch.arange(n).view(heads, half, 2).transpose(1, 2).reshape(-1)
+    return weight[order]

@@ -1,0 +1,60 @@
+"""The config and tokenizer of a GGUF file, written once by transformers into a folder of the
+model cache (keyed by the file's path, size and modification time), so that everything that
+reads a model folder reads this one; the weights stay in the file (engine/loading/gguf_loader)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def is_gguf(model: str) -> bool:
+    return model.endswith(".gguf")
+
+
+def metadata_dir(path: Path, cache_dir: Path) -> Path:
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = Path(cache_dir) / f"gguf-{path.stem}-{key[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _write(path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write(path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # transformers raises whatever its GGUF parser met
+        raise ModelLoadError(
+            f"{path}: cannot read its config and tokenizer ({type(exc).__name__}: {exc})"
+        ) from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are read by pagedserve, not transformers
+    if not getattr(config, "architectures", None) and config.model_type == "llama":
+        config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
