@@ -16,7 +16,8 @@
 // in float32; a group's sum is then scaled into the column's float32 total, and its min times the
 // group's sum of the row's inputs added. So a row's numbers are the float32 matmul of the
 // de-quantized weights up to the order of the sums. The widening is done again for every tile of
-// rows, which prefill pays for (~5 instructions per 8 rows' 16 multiplies). float32 activations:
+// rows: from 8 rows with groups, past 64 without, a work item's weights are instead de-quantized
+// once into bf16 and multiplied as bf16_linear multiplies, each weight then rounded to bf16. float32 activations:
 // the steps widened to float32 and multiplied with FMAs, each column's two lanes added at the end.
 // Without AVX512-BF16 (or to check the vector code) a portable loop over the same layout, which
 // the compiler vectorizes for the build's target.
@@ -248,6 +249,83 @@ AVX512_TARGET void item_bf16(int64_t rows, const at::BFloat16* x, const float* x
     }
 }
 
+// Many rows: the widening above, repeated for every tile of rows, costs more than the bytes it
+// saves. Instead a work item's two column blocks are de-quantized once (q * scale + min,
+// one rounding to bf16) into bf16_linear's layout, and its rows multiplied from there as
+// bf16_linear does. Its numbers then carry the bf16 rounding of each weight, as a bf16 model's do.
+template <int kBits>
+AVX512_TARGET void dequantize_bf16(const Weights& w, int64_t block, uint16_t* dst) {
+    constexpr int64_t kStep = kBits == 8 ? 32 : 16;
+    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    for (int64_t b = 0; b < 2; ++b) {
+        const uint8_t* q = w.q + (block + b) * w.pairs * kStep;
+        const float* s = w.scales + (block + b) * w.groups * kCols;
+        const float* mn = w.mins ? w.mins + (block + b) * w.groups * kCols : nullptr;
+        uint16_t* out = dst + b * w.pairs * 32;
+        for (int64_t g = 0; g < w.groups; ++g) {
+            const __m512 sc = _mm512_loadu_ps(s + g * kCols);
+            const __m512 slo = _mm512_permutexvar_ps(dup_lo, sc), shi = _mm512_permutexvar_ps(dup_hi, sc);
+            const __m512 m = mn ? _mm512_loadu_ps(mn + g * kCols) : _mm512_setzero_ps();
+            const __m512 mlo = _mm512_permutexvar_ps(dup_lo, m), mhi = _mm512_permutexvar_ps(dup_hi, m);
+            for (int64_t p = g * w.group_pairs; p < (g + 1) * w.group_pairs; ++p) {
+                __m128i l, h;
+                load_step<kBits>(q + p * kStep, l, h);
+                const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l)), slo, mlo);
+                const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)), shi, mhi);
+                _mm512_storeu_si512(out + p * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            }
+        }
+    }
+}
+
+// Rows [0, R) of x against the two de-quantized column blocks at `dense` (bf16_linear's tile).
+template <int R>
+AVX512_TARGET void tile_dense(const at::BFloat16* x, const uint16_t* dense, const Weights& w, at::BFloat16* out,
+                              int64_t block) {
+    const __m512i* w0 = reinterpret_cast<const __m512i*>(dense);
+    const __m512i* w1 = w0 + w.pairs;
+    const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < w.pairs; ++p) {
+        const __m512bh u = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w0 + p));
+        const __m512bh v = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w1 + p));
+        for (int r = 0; r < R; ++r) {
+            const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[r * w.pairs + p]));
+            a0[r] = _mm512_dpbf16_ps(a0[r], b, u);
+            a1[r] = _mm512_dpbf16_ps(a1[r], b, v);
+        }
+    }
+    const int64_t col0 = block * kCols;
+    const __mmask16 m0 = existing(w.n, col0), m1 = existing(w.n, col0 + kCols);
+    const __m512 b0 = bias_at(w.bias, col0, m0), b1 = bias_at(w.bias, col0 + kCols, m1);
+    for (int r = 0; r < R; ++r) {
+        auto* dst = reinterpret_cast<uint16_t*>(out + r * w.n + col0);
+        _mm256_mask_storeu_epi16(dst, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(a0[r], b0))));
+        _mm256_mask_storeu_epi16(dst + kCols, m1,
+                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(a1[r], b1))));
+    }
+}
+
+template <int R>
+AVX512_TARGET void rows_dense(int64_t rows, const at::BFloat16* x, const uint16_t* dense, const Weights& w,
+                              at::BFloat16* out, int64_t block) {
+    for (; rows >= R; rows -= R, x += R * w.k, out += R * w.n) tile_dense<R>(x, dense, w, out, block);
+    if constexpr (R > 1) {
+        if (rows > 0) rows_dense<R / 2>(rows, x, dense, w, out, block);
+    }
+}
+
+template <int kBits>
+AVX512_TARGET void item_prefill(int64_t rows, const at::BFloat16* x, const Weights& w, at::BFloat16* out,
+                                int64_t block) {
+    thread_local std::vector<uint16_t> dense;  // a work item's two blocks, reused item to item
+    dense.resize(static_cast<size_t>(w.pairs) * 64);
+    dequantize_bf16<kBits>(w, block, dense.data());
+    rows_dense<8>(rows, x, dense.data(), w, out, block);
+}
+
 // Rows [0, R) of float32 x against one column block. A step widens to two float32 vectors,
 // columns 0-7 and 8-15 with their two inputs side by side, multiplied by the row's input pair
 // repeated; each column's two lanes are added at the end.
@@ -378,6 +456,11 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
                     bias ? bias->data_ptr<float>() : nullptr, mins ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
     const bool fast = vector && vector_path();
+    // From how many rows a work item de-quantizes its weights into bf16 first (see
+    // dequantize_bf16): with groups, whose tiles hold 4 rows, from 8 (each step was widened
+    // again for every 4 rows: Q4_1 at 16 rows took the default model's decode step from 21 to
+    // 34 ms); with one scale a column, whose tiles hold 8, past the decode row counts.
+    const int64_t dense_from = groups > 1 || mins ? 8 : kPrefetchRows + 1;
     const int64_t column_items = padded_columns(n) / kBlockCols;
     // Rows split evenly over the fewest blocks of at most kRowBlock (see bf16_linear: blocks of
     // unequal rows are unequal work for the thread that takes them).
@@ -393,6 +476,10 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
                 const auto* xp = x.data_ptr<at::BFloat16>() + row0 * k;
                 auto* op = out.data_ptr<at::BFloat16>() + row0 * n;
 #if defined(PAGEDSERVE_X86)
+                if (fast && rows >= dense_from) {
+                    four_bit ? item_prefill<4>(rows, xp, w, op, block) : item_prefill<8>(rows, xp, w, op, block);
+                    continue;
+                }
                 if (fast) {
                     const bool prefetch = rows <= kPrefetchRows;
                     if (four_bit) {
