@@ -71,7 +71,7 @@ def read_tensors(path: Path) -> Iterator[GGUFTensor]:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # a truncated or corrupt header: numpy and struct errors alike
         raise ModelLoadError(
-            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})"
         ) from exc
     arch = _architecture(reader, path)
     if arch != "llama":

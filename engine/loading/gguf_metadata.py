@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.loading.gguf_checkpoint import read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ def metadata_dir(path: Path, cache_dir: Path) -> Path:
 def _write(path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
+    # Our own checks first: transformers' errors on a bad file name neither it nor the tensor.
+    for _ in read_tensors(path):
+        pass
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -168,3 +168,11 @@ def test_bf16_agrees_with_the_bf16_model_within_stated_bounds() -> None:
 def test_gguf_quantization_of_a_model_folder_is_refused(default_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"--quantization gguf: serves a \.gguf file"):
         LLM(str(default_model_dir), quantization="gguf")
+
+
+def test_an_engine_on_a_truncated_file_stops_at_start_up_naming_it(tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    with gguf_path().open("rb") as f:
+        cut.write_bytes(f.read(3 << 20))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf"):
+        LLM(str(cut), dtype="float32", model_cache_dir=str(tmp_path / "cache"))
