@@ -27,8 +27,9 @@
 //
 // Against bf16_linear on the default model's 120 layer linears (2-core Zen 4, AVX512-BF16, no
 // AMX; a machine shared with other work; median of 7, one process alternating): int8 per-channel
-// at 1 row 4.7 ms against 8.4, at 16 rows 10.4 against 12.5; with groups of 32 (fewer rows a
-// register tile: their sums take registers) 5.4 and 15.3.
+// at 1 row 4.7 ms against 8.4, at 16 rows 10.4 against 12.5; with groups of 32, before the
+// many-row path below (4 rows a register tile: the group sums take registers), 5.4 and 15.3.
+// Whole decode steps, every format: bench/quantized.py and bench/README.md.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
