@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.distributed.shard import Shard, all_reduce
 from engine.errors import ModelLoadError
+from engine.models.layers.lora import LoRALayer
 from kernels.cpu import weight_only
 from kernels.cpu.packed_linear import linear
 from kernels.cpu.quant_layout import PackedWeight
@@ -55,11 +56,14 @@ class PackableLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's
+        self.lora: LoRALayer | None = None  # adapters' updates, given by engine/lora when enabled
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, with_bias=True)
+        y = self.matmul(x, with_bias=True)
+        return y if self.lora is None else self.lora.add_(x, y)
 
     def matmul(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """x @ weight.T (+ bias) through whichever copy of the weight this layer keeps."""
@@ -132,8 +136,11 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return self.matmul(x, with_bias=True)
-        y = all_reduce(self.matmul(x, with_bias=False), self.shard)
+            return super().forward(x)
+        partial = self.matmul(x, with_bias=False)
+        if self.lora is not None:  # (x_rank A_rank^T) B^T summed over ranks is the whole update
+            self.lora.add_(x, partial)
+        y = all_reduce(partial, self.shard)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,144 @@
+"""Reading a PEFT LoRA checkpoint: `adapter_config.json` (rank, alpha, rsLoRA, targets) and
+`adapter_model.safetensors` (each target module's A and B). Everything that would make the
+adapter wrong or unusable is refused here, before it comes near a slot: a missing folder, a
+rank above the slots' rank, a config this engine does not apply (DoRA, per-module ranks,
+trained biases or whole modules), tensors that do not pair up or do not fit their rank."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import InvalidRequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The projections an adapter may target: the decoder layers' attention and MLP linears.
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALoadError(InvalidRequestError):
+    """An adapter that cannot be served: a 400 when loaded at run time, a start-up error when
+    named on the command line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="lora_path")
+
+
+@dataclass(frozen=True)
+class LoRACheckpoint:
+    rank: int
+    scaling: float  # alpha / rank, or alpha / sqrt(rank) under rsLoRA
+    # checkpoint module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r])
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    base_model_name: str | None
+
+
+def _refuse(path: Path, why: str) -> LoRALoadError:
+    return LoRALoadError(f"LoRA adapter {str(path)!r}: {why}")
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _refuse(path, f"no {CONFIG_FILE} (not a PEFT adapter folder)") from None
+    except (OSError, ValueError) as exc:
+        raise _refuse(path, f"cannot read {CONFIG_FILE}: {exc}") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, f"{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise _refuse(path, f"rank r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, int | float):
+        raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
+    if rank > max_rank:
+        raise _refuse(path, f"rank {rank} is above --max-lora-rank {max_rank}")
+    # Settings that change what the update is; applying the adapter without them would give
+    # other tokens than the trained model, so they are refused rather than ignored.
+    unsupported = {
+        "use_dora": bool(config.get("use_dora")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "bias": config.get("bias", "none") not in (None, "none"),
+    }
+    bad = [name for name, used in unsupported.items() if used]
+    if bad:
+        raise _refuse(path, f"{', '.join(bad)} not supported")
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):  # a regex in PEFT: the tensors say what it matched
+        targets = []
+    unknown = sorted({t.split(".")[-1] for t in targets} - set(SUPPORTED_TARGETS))
+    if unknown:
+        raise _refuse(
+            path,
+            f"target modules {unknown} are not among the supported {list(SUPPORTED_TARGETS)}",
+        )
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def _pair_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], rank: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        # PEFT's names: base_model.model.<module>.lora_A.weight (older: lora_A.<adapter>.weight)
+        pieces = name.removeprefix("base_model.model.").split(".")
+        which = next((p for p in pieces if p in ("lora_A", "lora_B")), None)
+        if which is None or pieces[-1] != "weight":
+            raise _refuse(path, f"tensor {name!r} is not a LoRA A or B weight")
+        module = ".".join(pieces[: pieces.index(which)])
+        halves.setdefault(module, {})[which] = tensor
+    modules = {}
+    for module, pair in halves.items():
+        a, b = pair.get("lora_A"), pair.get("lora_B")
+        if a is None or b is None:
+            raise _refuse(path, f"{module} has lora_A without lora_B or the reverse")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise _refuse(
+                path,
+                f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not have rank {rank}",
+            )
+        if module.split(".")[-1] not in SUPPORTED_TARGETS:
+            raise _refuse(path, f"{module} is not one of the supported {list(SUPPORTED_TARGETS)}")
+        modules[module] = (a, b)
+    if not modules:
+        raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return modules
+
+
+def read_checkpoint(path: str | Path, max_rank: int) -> LoRACheckpoint:
+    """The adapter in folder `path`, its tensors in float32 on the host; LoRALoadError if it
+    cannot be served with slots of rank `max_rank`."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise _refuse(folder, "no such folder")
+    config = _read_config(folder)
+    rank, scaling = _check_config(folder, config, max_rank)
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        raise _refuse(folder, f"no {WEIGHTS_FILE} (only safetensors weights are read)")
+    try:
+        tensors = load_file(weights)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds for a bad file
+        raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
+    modules = {
+        name: (a.float(), b.float())
+        for name, (a, b) in _pair_tensors(folder, tensors, rank).items()
+    }
+    base = config.get("base_model_name_or_path")
+    return LoRACheckpoint(rank, scaling, modules, base if isinstance(base, str) else None)

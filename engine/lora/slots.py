@@ -1,0 +1,175 @@
+"""The adapters' slots on one rank's model: the LoRA layers given to its linears, what each
+slot holds, and the per-step row mask. A checkpoint is placed by the loader's own rules: a
+checkpoint module name is located as a weight would be (q/k/v and gate/up into their fused
+layers, by part), and each rank keeps its slice: B's rows of a column-parallel layer (the
+output features it computes), A's columns of a row-parallel one (the input features it sees).
+
+Checkpoints read are kept on the host, up to `max_cpu_loras`, so that an adapter evicted from
+its slot comes back without reading its files again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.lora.checkpoint import LoRACheckpoint, LoRALoadError, read_checkpoint
+from engine.lora.request import LoRARequest
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.models.layers.lora import LoRALayer, LoRAStep
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One part of one layer's weights for this rank: A [r, in_rank], B [out_rank, r]."""
+
+    layer: str
+    part: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlacedAdapter:
+    scaling: float
+    placements: list[Placement]
+
+
+class LoRASlots:
+    def __init__(self, model: DecoderModel, num_slots: int, rank: int, max_cpu_loras: int) -> None:
+        self.model = model
+        self.step = LoRAStep(num_slots, rank)
+        self.max_cpu_loras = max_cpu_loras
+        self.scales = torch.zeros(num_slots)
+        self.held: list[LoRARequest | None] = [None] * num_slots
+        self.cache: OrderedDict[LoRARequest, PlacedAdapter] = OrderedDict()
+        self.layers: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+        self.shard_size = model.shard.size
+        for name, module in model.named_modules():
+            if not name.startswith("layers.") or not isinstance(
+                module, ColumnParallelLinear | RowParallelLinear
+            ):
+                continue
+            weight = module.weight if module.weight is not None else module.packed
+            assert weight is not None
+            sizes = (
+                [p.count for p in module.part_list]
+                if isinstance(module, ColumnParallelLinear)
+                else [module.out_features]
+            )
+            module.lora = LoRALayer(self.step, module.in_features, sizes, self.dtype, weight.device)
+            self.layers[name] = module
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def read(self, request: LoRARequest) -> PlacedAdapter:
+        """The adapter sliced for this rank's layers (read and checked once, then kept)."""
+        placed = self.cache.get(request)
+        if placed is not None:
+            self.cache.move_to_end(request)
+            return placed
+        checkpoint = read_checkpoint(request.lora_path, self.step.rank)
+        placed = self._place(request, checkpoint)
+        self.cache[request] = placed
+        while len(self.cache) > self.max_cpu_loras:
+            self.cache.popitem(last=False)
+        return placed
+
+    def forget(self, request: LoRARequest) -> None:
+        self.cache.pop(request, None)
+
+    def _place(self, request: LoRARequest, ckpt: LoRACheckpoint) -> PlacedAdapter:
+        placements: list[Placement] = []
+        for module_name, (a, b) in ckpt.modules.items():
+            found = self.model.locate(module_name.removeprefix("model.") + ".weight")
+            layer_name = None if found is None else found[0].removesuffix(".weight")
+            layer = self.layers.get(layer_name) if layer_name is not None else None
+            if layer is None:
+                raise LoRALoadError(
+                    f"LoRA adapter {request.lora_path!r}: the model has no adaptable layer "
+                    f"{module_name!r} (an adapter of another base model?)"
+                )
+            assert layer_name is not None and found is not None
+            placements.extend(self._slice(request, layer_name, layer, found[1], a, b))
+        return PlacedAdapter(ckpt.scaling, placements)
+
+    def _slice(
+        self,
+        request: LoRARequest,
+        name: str,
+        layer: ColumnParallelLinear | RowParallelLinear,
+        part: str | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+    ) -> list[Placement]:
+        def mismatch(why: str) -> LoRALoadError:
+            return LoRALoadError(
+                f"LoRA adapter {request.lora_path!r} does not fit this base model: {name}: {why}"
+            )
+
+        if isinstance(layer, RowParallelLinear):
+            full_in = layer.in_features * self.shard_size
+            if a.shape[1] != full_in or b.shape[0] != layer.out_features:
+                raise mismatch(
+                    f"A {tuple(a.shape)} and B {tuple(b.shape)} for a layer "
+                    f"{full_in} -> {layer.out_features}"
+                )
+            cols = a[:, layer.in_first : layer.in_first + layer.in_features]
+            return [Placement(name, 0, cols.contiguous(), b)]
+        if a.shape[1] != layer.in_features:
+            raise mismatch(f"A {tuple(a.shape)} for {layer.in_features} input features")
+        out = []
+        for index, p in enumerate(layer.part_list):
+            if part is not None and p.name != part:
+                continue
+            first = p.first + (p.offset if part is None else 0)
+            if first + p.count > b.shape[0]:
+                raise mismatch(f"B {tuple(b.shape)} has no rows {first}..{first + p.count}")
+            if self.shard_size == 1 and part is not None and b.shape[0] != p.count:
+                raise mismatch(f"B {tuple(b.shape)} for {p.count} output features of {p.name}")
+            out.append(Placement(name, index, a, b[first : first + p.count].contiguous()))
+        return out
+
+    # ------------------------------------------------------------------ slots
+
+    def load(self, slot: int, request: LoRARequest) -> None:
+        """Put the adapter into `slot` (between steps): every layer's part it does not target
+        is cleared, so nothing of the slot's previous adapter remains."""
+        placed = self.read(request)
+        self.clear(slot)
+        for placement in placed.placements:
+            lora = self.layers[placement.layer].lora
+            assert lora is not None
+            lora.set_slot(slot, placement.part, placement.a, placement.b)
+        self.scales[slot] = placed.scaling
+        self.held[slot] = request
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            lora = layer.lora
+            assert lora is not None
+            for part in range(len(lora.part_sizes)):
+                lora.set_slot(slot, part, None, None)
+        self.scales[slot] = 0.0
+        self.held[slot] = None
+
+    def begin_step(
+        self, lora_slots: list[int], query_lens: list[int], device: torch.device
+    ) -> None:
+        """The mask for a step whose request i runs `query_lens[i]` rows under slot
+        `lora_slots[i]` (-1: the base model)."""
+        if all(s < 0 for s in lora_slots):
+            self.step.mask = None
+            return
+        rank, width = self.step.rank, self.step.num_slots * self.step.rank
+        rows = torch.repeat_interleave(torch.tensor(lora_slots), torch.tensor(query_lens))
+        own = rows.unsqueeze(1) == (torch.arange(width) // rank).unsqueeze(0)
+        mask = own.to(self.scales.dtype) * self.scales[rows.clamp(min=0)].unsqueeze(1)
+        self.step.mask = mask.to(device=device, dtype=self.dtype)
