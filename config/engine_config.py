@@ -234,12 +234,40 @@ class StructuredOutputsConfig(_Strict):
     )
 
 
+class LoRAConfig(_Strict):
+    """LoRA adapters served beside the base weights: how many may run in one step (GPU slots),
+    how many stay loaded on the host, and the largest rank a slot holds."""
+
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT checkpoints)")
+    max_loras: int = Field(
+        1, ge=1, le=256, description="distinct adapters in one step (slots on the linear layers)"
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="largest adapter rank a slot holds (a higher one is refused)"
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="adapters kept read on the host for reloading into a slot (default: --max-loras)",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"{flag('max_cpu_loras')} ({self.max_cpu_loras}) must be at least "
+                f"{flag('max_loras')} ({self.max_loras})"
+            )
+        return self
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     structured: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -272,6 +300,7 @@ ENGINE_SECTIONS: dict[str, type[BaseModel]] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "structured": StructuredOutputsConfig,
+    "lora": LoRAConfig,
 }
 
 

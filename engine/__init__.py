@@ -4,6 +4,7 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSeq
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -17,6 +18,7 @@ __all__ = [
     "EmbeddingOutput",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "ModelLoadError",
     "PoolingParams",
     "PoolingRequestOutput",

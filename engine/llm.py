@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from config import EngineConfig
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.processing.tokenization import encode_chat, pooling_tokens, truncation
@@ -57,9 +58,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. All prompts are validated before any runs.
-        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`."""
+        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs `enable_lora=True`."""
         batch = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -73,14 +77,27 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(batch)
         if len(priorities) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(priorities)} priorities")
+        loras: list[LoRARequest | None] = (
+            [lora_request] * len(batch)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
         token_ids = [self.engine.tokenize(prompt) for prompt in batch]
         # Every prompt checked before any is queued: one bad prompt fails the call, not a step.
         checked = [
             self.engine.check(ids, p, rank) for ids, p, rank in zip(token_ids, params, priorities)
         ]
+        for adapter in {lora for lora in loras if lora is not None}:
+            self.engine.add_lora(adapter)
         request_ids = [
-            self.engine.add_request(prompt, p, prompt_token_ids=t, checked=c, priority=rank)
-            for prompt, p, t, c, rank in zip(batch, params, token_ids, checked, priorities)
+            self.engine.add_request(
+                prompt, p, prompt_token_ids=t, checked=c, priority=rank, lora_request=lora
+            )
+            for prompt, p, t, c, rank, lora in zip(
+                batch, params, token_ids, checked, priorities, loras
+            )
         ]
         return cast(list[RequestOutput], self._run(request_ids))
 

@@ -24,6 +24,8 @@ from engine.kv_events.publisher import KVEventPublisher
 from engine.kv_events.wire import CacheSpec
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
+from engine.lora.assignment import SlotAssignment
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -153,7 +155,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, self.block_size, caching, slide, record_events=self.kv_events is not None
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        lora = config.lora
+        self.loras = SlotAssignment(lora.max_loras) if lora.enable_lora else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, lora.max_loras if lora.enable_lora else None
+        )
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -186,14 +192,17 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         checked: CheckedRequest | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
         prompt is then not tokenized again); `checked`, when given, says it was validated and
         holds its compiled grammar. `priority` orders it under --scheduling-policy priority
-        (lower first)."""
+        (lower first). `lora_request`: the LoRA adapter it runs under (--enable-lora)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if checked is None:
             checked = self.check(prompt_ids, params, priority)
@@ -217,6 +226,7 @@ class LLMEngine:
                     generator=generator,
                     status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
                     grammar=None if structured is None else GrammarState(grammar, structured),
+                    lora=lora_request,
                 )
             )
         beam = None
@@ -241,6 +251,25 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(sequences[0])
         return request_id
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter now, so that a bad one fails here and not inside a step
+        (LoRALoadError); a checked one is kept on the host, up to --max-cpu-loras."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need --enable-lora", param="model")
+        self.executor.read_lora(request)
+
+    def remove_lora(self, request: LoRARequest) -> None:
+        """Forget an adapter's host copy and slot; requests running under it still finish
+        under it (a slot it needs again is reloaded from its folder)."""
+        if self.loras is None:
+            return
+        busy = any(
+            seq.lora == request for seq in (*self.scheduler.running, *self.scheduler.waiting)
+        )
+        if not busy:
+            self.loras.drop(request)
+            self.executor.forget_lora(request)
 
     def add_pooling_request(
         self,
@@ -319,7 +348,15 @@ class LLMEngine:
             return []
         self._record_scheduled(out)
         self.step_shape = (len(out.scheduled), out.num_tokens)
-        batch = build_step_batch(out, self.block_size)
+        slot_of = None
+        if self.loras is not None:
+            loras = self.loras
+            loras.place(
+                {s.seq.lora for s in out.scheduled if s.seq.lora is not None},
+                self.executor.load_lora,
+            )
+            slot_of = lambda seq: loras.slot_of(seq.lora)  # noqa: E731
+        batch = build_step_batch(out, self.block_size, slot_of)
         if self.pooler is not None:
             return list(self._pool(out, batch.host))
         logits = self.executor.execute(batch.host)

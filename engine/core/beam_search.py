@@ -193,6 +193,7 @@ class BeamGroup:
             eos_token_id=parent.eos_token_id,
             status=SequenceStatus.RUNNING,
             output_token_ids=list(parent.output_token_ids),
+            lora=parent.lora,
         )
         child.beam = self
         child.num_computed_tokens = parent.num_computed_tokens

@@ -1,7 +1,8 @@
 """Per-sequence block tables over the block pool, with prefix caching and copy-on-write.
 
 A full block is identified by a chained hash: hash(parent block's hash, this block's tokens),
-so equal hashes mean equal whole prefixes. Blocks are registered in the cache as soon as they
+so equal hashes mean equal whole prefixes. The first block's parent is the sequence's LoRA
+adapter's salt (empty for the base model), so no prefix is shared across adapters. Blocks are registered in the cache as soon as they
 are scheduled full: their tokens are known then, and their K/V is written in the same forward
 pass, before any attention reads it.
 
@@ -58,10 +59,12 @@ class KVCacheManager:
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         hashes = self._hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
+        # The chain starts from the adapter's salt: a LoRA adapter changes every layer's K/V.
+        root = b"" if seq.lora is None else seq.lora.cache_salt
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(
-                chain_hash(hashes[-1] if hashes else b"", seq.all_token_ids[i * bs : (i + 1) * bs])
+                chain_hash(hashes[-1] if hashes else root, seq.all_token_ids[i * bs : (i + 1) * bs])
             )
         return hashes
 

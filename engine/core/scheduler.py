@@ -47,8 +47,11 @@ def rank(seq: Sequence) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int | None = None
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (their slots)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.by_priority = config.scheduling_policy == "priority"
         self.kv = kv
@@ -113,6 +116,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs
+            and self._adapter_fits(self.waiting[0])
         ):
             seq = self.waiting[0]
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
@@ -182,6 +186,14 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim, "priority")
             out.preempted.append(victim)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """A slot is free for the sequence's adapter, or it runs already: FCFS, so a request
+        whose adapter finds no slot holds the queue until a running adapter's requests end."""
+        if seq.lora is None or self.max_loras is None:
+            return True
+        running = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in running or len(running) < self.max_loras
 
     def _num_seqs_after_admitting(self, seq: Sequence) -> int:
         # Forked siblings join the running set when the prompt completes, and a beam search

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import PositionLogprobs
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class Sequence:
     # The beam search this sequence is a beam of: it hands its logits row to the group
     # instead of sampling. None for every other request.
     beam: BeamRows | None = None
+    # The LoRA adapter the sequence runs under; None: the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -29,9 +29,18 @@ from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
 from engine.loading.model_spec import ModelSpec
+from engine.lora.request import LoRARequest
 from engine.worker.model_input import HostBatch
 from engine.worker.model_runner import build_runner
-from engine.worker.tp_worker import ALLOCATE_KV, STEP, STOP, join_group, message, worker_main
+from engine.worker.tp_worker import (
+    ALLOCATE_KV,
+    STEP,
+    STOP,
+    join_group,
+    lora_message,
+    message,
+    worker_main,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +69,18 @@ class LocalExecutor:
 
     def embed(self, batch: HostBatch) -> torch.Tensor:
         return self.runner.embed(batch)
+
+    def read_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter (LoRALoadError if it cannot be served), kept for a slot."""
+        assert self.runner.lora is not None
+        self.runner.lora.read(request)
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        self.runner.load_lora(slot, request)
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.forget(request)
 
     def check(self) -> None:
         pass
@@ -227,6 +248,21 @@ class TensorParallelExecutor:
     def allocate_kv(self, num_blocks: int) -> None:
         self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))
         self.runner.allocate_kv(num_blocks)
+
+    def read_lora(self, request: LoRARequest) -> None:
+        """Checked on rank 0 only: every rank reads the same folder, each its own slice."""
+        assert self.runner.lora is not None
+        self.runner.lora.read(request)
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        self.runner.load_lora(slot, request)  # first: a bad adapter raises before any worker
+        self._send(lora_message(slot, request))
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        # Workers keep their host copies until their cache turns them over: harmless, and one
+        # message fewer on a path that must never block a step.
+        if self.runner.lora is not None:
+            self.runner.lora.forget(request)
 
     def embed(self, batch: HostBatch) -> torch.Tensor:
         raise RuntimeError(

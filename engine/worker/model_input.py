@@ -6,13 +6,17 @@ form it travels in to other tensor-parallel ranks) and moves to the device as `M
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.core.scheduler_output import SchedulerOutput
+from engine.core.sequence import Sequence
 from kernels.attention import AttentionMetadata
+
+HEADER = 6  # the packed form's lengths: tokens, requests, table width, logits, copies, LoRA slots
 
 
 @dataclass
@@ -34,6 +38,8 @@ class HostBatch:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32 on the host, padded with 0
     logits_indices: list[int]
     block_copies: list[tuple[int, int]]
+    # Per request, the LoRA slot its rows run under (-1: the base model); empty without LoRA.
+    lora_slots: list[int] = field(default_factory=list)
     # The packed form, kept once made: rank 0 packs a step for the pipe and for its own upload,
     # a worker receives it packed. A batch is never changed after it is built.
     _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -52,6 +58,7 @@ class HostBatch:
             width,
             len(self.logits_indices),
             len(self.block_copies),
+            len(self.lora_slots),
         ]
         copies = [i for pair in self.block_copies for i in pair]
         body = [
@@ -63,6 +70,7 @@ class HostBatch:
             *self.context_lens,
             *self.logits_indices,
             *copies,
+            *self.lora_slots,
         ]
         return torch.cat(
             [torch.tensor(body, dtype=torch.int64), self.block_tables.flatten().long()]
@@ -71,8 +79,8 @@ class HostBatch:
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> HostBatch:
         values = packed.tolist()
-        tokens, reqs, width, logits, copies = values[:5]
-        at = 5
+        tokens, reqs, width, logits, copies, loras = values[:HEADER]
+        at = HEADER
 
         def take(n: int) -> list[int]:
             nonlocal at
@@ -81,7 +89,7 @@ class HostBatch:
 
         input_ids, positions, slots = take(tokens), take(tokens), take(tokens)
         query_lens, context_lens = take(reqs), take(reqs)
-        logits_indices, pairs = take(logits), take(2 * copies)
+        logits_indices, pairs, lora_slots = take(logits), take(2 * copies), take(loras)
         tables = packed[at : at + reqs * width].view(reqs, width).to(torch.int32)
         return cls(
             input_ids,
@@ -92,6 +100,7 @@ class HostBatch:
             tables,
             logits_indices,
             list(zip(pairs[::2], pairs[1::2])),
+            lora_slots,
             _packed=packed,
         )
 
@@ -100,7 +109,7 @@ class HostBatch:
         packed = self.pack()
         dev = upload(packed) if upload is not None else packed.to(device)
         tokens, reqs = len(self.input_ids), len(self.query_lens)
-        at = 5  # past the header
+        at = HEADER
 
         def take(n: int) -> torch.Tensor:
             nonlocal at
@@ -111,6 +120,7 @@ class HostBatch:
         query_lens, context_lens = take(reqs), take(reqs).to(torch.int32)
         logits_indices = take(len(self.logits_indices))
         take(2 * len(self.block_copies))  # copied by the runner from the host list
+        take(len(self.lora_slots))  # read by the runner from the host list
         tables = dev[at:].view(reqs, self.block_tables.shape[1]).to(torch.int32)
         attn = AttentionMetadata(
             slot_mapping=slots,
@@ -159,7 +169,10 @@ class StepBatch:
     logits_rows: list[tuple[int, int]]
 
 
-def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
+def build_step_batch(
+    out: SchedulerOutput, block_size: int, lora_slot: Callable[[Sequence], int] | None = None
+) -> StepBatch:
+    """`lora_slot`: each sequence's adapter slot (-1 for the base model), when LoRA is on."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -205,5 +218,6 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         tables,
         logits_indices,
         out.block_copies,
+        [lora_slot(s.seq) for s in out.scheduled] if lora_slot is not None else [],
     )
     return StepBatch(host, logits_rows)

@@ -14,8 +14,12 @@ import torch
 
 from config import EngineConfig
 from engine.distributed.shard import Shard
+from engine.errors import ModelLoadError
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import ModelSpec
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRASlots
+from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.pooling import pool
 from engine.worker.cpu import prepare_model
@@ -43,8 +47,10 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         use_cuda_graphs: bool,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.backend = backend
         self.spec = spec
         self.max_num_seqs = max_num_seqs
@@ -121,11 +127,19 @@ class ModelRunner:
         copy_blocks(
             [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], batch.block_copies
         )
+        if self.lora is not None:
+            self.lora.begin_step(batch.lora_slots, batch.query_lens, self.device)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch, self.upload))
         inp = batch.to_device(self.device, self.upload)
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    @torch.inference_mode()
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        """Put an adapter into a slot, between steps (LoRALoadError if it cannot be served)."""
+        assert self.lora is not None, "load_lora() without --enable-lora"
+        self.lora.load(slot, request)
 
     @torch.inference_mode()
     def embed(self, batch: HostBatch) -> torch.Tensor:
@@ -151,6 +165,8 @@ def graphs_off_reason(
         return f"not a CUDA device ({spec.device})"
     if not backend.graph_safe:
         return f"the {backend.name} attention backend cannot be captured"
+    if config.lora.enable_lora:
+        return "LoRA adapters pick their slots per step (--enable-lora)"
     if not spec.info.graph_safe:
         return f"{spec.architecture} reads routing decisions on the host"
     if spec.tensor_parallel_size > 1:
@@ -179,10 +195,30 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
     if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
-        prepare_model(model, backend, log_here=shard.rank == 0, fixed_order=invariant)
+        prepare_model(
+            model,
+            backend,
+            log_here=shard.rank == 0,
+            fixed_order=invariant,
+            lora=config.lora.enable_lora,
+        )
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)
+    lora = None
+    if config.lora.enable_lora:
+        if not isinstance(model, DecoderModel) or spec.info.encoder or spec.info.experts:
+            raise ModelLoadError(
+                f"--enable-lora: {spec.architecture} is not supported (decoder models with "
+                "dense MLPs only)"
+            )
+        settings = config.lora
+        lora = LoRASlots(
+            model,
+            settings.max_loras,
+            settings.max_lora_rank,
+            settings.max_cpu_loras or settings.max_loras,
+        )
     return ModelRunner(
         model,
         backend,
@@ -190,4 +226,5 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         torch.device(device),
         config.scheduler.max_num_seqs,
         use_cuda_graphs=off is None,
+        lora=lora,
     )

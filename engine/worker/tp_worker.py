@@ -8,6 +8,8 @@ ends the worker too, so no orphan is left behind.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.loading.model_spec import ModelSpec
+from engine.lora.request import LoRARequest
 from engine.worker.model_input import HostBatch
 from engine.worker.model_runner import build_runner
 
@@ -25,11 +28,24 @@ log = logging.getLogger(__name__)
 
 STOP = b""
 # Every other message is int64s: its kind, then a packed `HostBatch` to run or the KV pool's size.
-STEP, ALLOCATE_KV = 0, 1
+STEP, ALLOCATE_KV, LOAD_LORA = 0, 1, 2
 
 
 def message(kind: int, body: torch.Tensor) -> bytes:
     return torch.cat([torch.tensor([kind], dtype=torch.int64), body]).numpy().tobytes()
+
+
+def lora_message(slot: int, request: LoRARequest) -> bytes:
+    """An adapter to load into a slot: its request as JSON, padded to whole int64s."""
+    text = json.dumps({"slot": slot, **dataclasses.asdict(request)}).encode()
+    text += b" " * (-len(text) % 8)
+    return message(LOAD_LORA, torch.frombuffer(bytearray(text), dtype=torch.int64))
+
+
+def read_lora_message(values: torch.Tensor) -> tuple[int, LoRARequest]:
+    fields = json.loads(values.numpy().tobytes())
+    slot = fields.pop("slot")
+    return slot, LoRARequest(**fields)
 
 
 def join_group(config: EngineConfig, spec: ModelSpec, rank: int, port: int) -> None:
@@ -72,6 +88,8 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
             values = torch.frombuffer(bytearray(packed), dtype=torch.int64)
             if values[0] == ALLOCATE_KV:
                 runner.allocate_kv(int(values[1]))
+            elif values[0] == LOAD_LORA:
+                runner.load_lora(*read_lora_message(values[1:]))
             else:
                 runner.execute(HostBatch.unpack(values[1:]))
     finally:

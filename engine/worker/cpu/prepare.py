@@ -67,11 +67,16 @@ def fuse_ops(model: CausalLM) -> str | None:
 
 
 def prepare_model(
-    model: CausalLM, backend: AttentionBackend, log_here: bool, fixed_order: bool = False
+    model: CausalLM,
+    backend: AttentionBackend,
+    log_here: bool,
+    fixed_order: bool = False,
+    lora: bool = False,
 ) -> None:
     """Everything above that applies to `model` on the CPU under `backend` (not with
     --enforce-eager: the caller does not call this then). `log_here`: this rank logs;
-    `fixed_order`: linears through the fixed-order kernel (--batch-invariant)."""
+    `fixed_order`: linears through the fixed-order kernel (--batch-invariant); `lora`: the
+    linears take LoRA adapters, which the C++ layer loop does not apply."""
     if pack_weights(model, fixed_order) and log_here:
         kernel = (
             "kernels/cpu/bf16_linear" if fixed_order or packed_linear.own_layout() else "oneDNN"
@@ -84,7 +89,9 @@ def prepare_model(
     if why_not is not None and log_here:
         log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
     # The loop is the cpu backend's path: under another backend it would never run.
-    if backend.name == "cpu":
+    if lora:
+        why_not = "--enable-lora (the C++ loop does not apply adapters)"
+    elif backend.name == "cpu":
         why_not = stack_cpu_layers(model)
     else:
         why_not = f"the {backend.name} attention backend"
