@@ -11,7 +11,7 @@ from config.engine_config import (
     StructuredOutputsConfig,
 )
 from config.kv_events_config import KVEventsConfig
-from config.server_config import ServeConfig, ServerConfig
+from config.server_config import LoRAModule, ServeConfig, ServerConfig
 
 __all__ = [
     "CacheConfig",
@@ -19,6 +19,7 @@ __all__ = [
     "EngineConfig",
     "KVEventsConfig",
     "LoRAConfig",
+    "LoRAModule",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

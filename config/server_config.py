@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 
 from config.engine_config import EngineConfig, _Strict
 
@@ -17,6 +17,27 @@ MetricsNames = Literal["pagedserve", "vllm"]
 # template with no tool format, `auto` to choose one from the chat template at start-up.
 ToolCallParserName = Literal["auto", "generic", "hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+
+
+class LoRAModule(_Strict):
+    """One adapter named on the command line: vLLM's JSON form of --lora-modules."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """`name=path`, or a JSON object with name, path and, optionally, base_model_name."""
+        if text.lstrip().startswith("{"):
+            try:
+                return cls.model_validate_json(text)
+            except ValidationError as exc:
+                raise ValueError(f"--lora-modules {text!r}: {exc.errors()[0]['msg']}") from None
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {text!r}: expected name=path or a JSON object")
+        return cls(name=name, path=path)
 
 
 class ServerConfig(_Strict):
@@ -110,12 +131,36 @@ class ServerConfig(_Strict):
         gt=0,
         description="seconds a stored response is kept before it is deleted (default: 30 days)",
     )
+    lora_modules: list[str] | None = Field(
+        None,
+        description="LoRA adapters served from start-up (needs --enable-lora), each name=path or "
+        'JSON {"name": ..., "path": ..., "base_model_name": ...}; a request selects one by '
+        "its name in `model`",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates "
+        "them behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable)",
+    )
     responses_max_bytes: int = Field(
         1024**3,
         ge=1,
         description="most bytes of stored responses kept; the oldest are deleted first beyond it "
         "(default: 1 GiB)",
     )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_parse(cls, value: list[str] | None) -> list[str] | None:
+        modules = [LoRAModule.parse(text) for text in value or []]
+        names = [m.name for m in modules]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"--lora-modules names {repeated} more than one adapter")
+        return value
+
+    def parsed_lora_modules(self) -> list[LoRAModule]:
+        return [LoRAModule.parse(text) for text in self.lora_modules or []]
 
 
 class ServeConfig(_Strict):

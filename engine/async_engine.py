@@ -12,6 +12,7 @@ loop. `engine` belongs to the engine thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -29,6 +30,7 @@ from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import CheckedRequest, LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from engine.stats import EngineStats
 from engine.structured import StructuredOutputsParams
@@ -68,6 +70,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Work on the engine's state that must run on its thread, between steps (adapters)."""
+
+    fn: Callable[[LLMEngine], None]
+    done: concurrent.futures.Future[None]
+
+
 _WAKE = object()  # put on the inbox to make an idle engine thread look at the stop flag
 
 
@@ -80,7 +90,7 @@ class AsyncEngine:
         self.info: EngineInfo = dataclasses.replace(
             engine.info, tokenizer=copy.deepcopy(engine.info.tokenizer)
         )
-        self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | object] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
         self._stopping = threading.Event()
         # Taken by a caller that enqueues and by the thread when it dies, so no request can
@@ -211,6 +221,20 @@ class AsyncEngine:
         last output whose finish_reason is 'abort'."""
         self._inbox.put(_Abort(request_id))
 
+    async def add_lora(self, request: LoRARequest) -> None:
+        await self._call(lambda engine: engine.add_lora(request))
+
+    async def remove_lora(self, request: LoRARequest) -> None:
+        await self._call(lambda engine: engine.remove_lora(request))
+
+    async def _call(self, fn: Callable[[LLMEngine], None]) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineDeadError(self.dead_reason())
+            self._inbox.put(_Call(fn, done))
+        await asyncio.wrap_future(done)
+
     async def _stream(
         self, request: EngineRequest | PoolingRequest, checked: CheckedRequest
     ) -> AsyncGenerator[EngineOutput, None]:
@@ -292,6 +316,8 @@ class AsyncEngine:
                 break
             if isinstance(item, _Add):
                 item.sink.send(reason)
+            elif isinstance(item, _Call):
+                item.done.set_exception(reason)
         for sink in self._sinks.values():
             sink.send(reason)
         self._sinks.clear()
@@ -305,6 +331,13 @@ class AsyncEngine:
             block = False
             if isinstance(item, _Add):
                 self._add(item)
+            elif isinstance(item, _Call):
+                try:
+                    item.fn(self.engine)
+                except Exception as exc:  # noqa: BLE001 - the caller's to raise (a bad adapter)
+                    item.done.set_exception(exc)
+                else:
+                    item.done.set_result(None)
             elif isinstance(item, _Abort):
                 output = self.engine.abort_request(item.request_id)
                 sink = self._sinks.pop(item.request_id, None)
@@ -333,6 +366,7 @@ class AsyncEngine:
                 prompt_token_ids=request.prompt_token_ids,
                 checked=item.checked,
                 priority=request.priority,
+                lora_request=request.lora_request,
             )
         except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.lora import LoRALoadError, LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ __all__ = [
     "EngineDeadError",
     "EngineRequest",
     "InvalidRequestError",
+    "LoRALoadError",
+    "LoRARequest",
     "PoolingRequest",
 ]
 
@@ -37,6 +40,7 @@ class EngineRequest:
     prompt_token_ids: list[int]  # the prompt tokenized by the caller (with its chat template)
     params: SamplingParams
     priority: int = 0  # lower is served earlier (--scheduling-policy priority)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs under
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,11 @@ class EngineClient(Protocol):
     ) -> AsyncGenerator[PoolingRequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter on the engine thread, between steps (LoRALoadError)."""
+        ...
+
+    async def remove_lora(self, request: LoRARequest) -> None:
+        """Forget an adapter: requests already running under it finish under it."""
+        ...

@@ -28,6 +28,7 @@ class EngineInfo:
     # Set when the engine pools (embeddings) instead of generating.
     pooler: PoolerSpec | None = None
     max_num_batched_tokens: int = 2048  # a pooled input runs whole within one step's budget
+    max_loras: int | None = None  # LoRA slots (--max-loras); None: LoRA is off
 
     @property
     def runner(self) -> str:

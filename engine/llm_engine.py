@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 
 # What a pooling sequence carries where a generating one has its sampling: it samples nothing.
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> list[str]:
+    return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ class LLMEngine:
             scheduling_policy=config.scheduler.scheduling_policy,
             pooler=spec.pooler,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
@@ -536,6 +542,7 @@ class LLMEngine:
                 else first_token - scheduled,
                 decode_time=None if first_token is None else now - first_token,
                 kv_wait_time=request.sequences[0].kv_wait_until(now),
+                lora_name=lora.lora_name if (lora := request.sequences[0].lora) else None,
             )
         )
 
@@ -554,6 +561,9 @@ class LLMEngine:
         stats.num_free_blocks = self.kv.pool.num_free
         if self.kv_events is not None:
             stats.kv_events_dropped = self.kv_events.take_dropped()
+        if self.loras is not None:
+            stats.running_loras = _adapter_names(scheduler.running)
+            stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
 
     def _record_scheduled(self, out: SchedulerOutput) -> None:

@@ -24,6 +24,7 @@ class FinishedRequest:
     prefill_time: float | None
     decode_time: float | None
     kv_wait_time: float = 0.0  # waiting because the KV pool had no room (part of queue time)
+    lora_name: str | None = None  # the LoRA adapter it ran under
 
 
 @dataclass
@@ -45,3 +46,6 @@ class EngineStats:
     inter_token_latency: list[float] = field(default_factory=list)
     iteration_tokens: list[int] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
+    # The LoRA adapters of the running and the waiting requests now, by name (LoRA on only).
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
-from config import ServerConfig
+from config import ConfigError, ServerConfig
 from config.engine_config import default_cache_dir
 from engine.client import EngineClient, EngineDeadError
 from engine.errors import InvalidRequestError
@@ -29,6 +29,7 @@ from server.http.admission import GeneratingRoute, shutting_down
 from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.streaming import ClientDisconnected, client_gone
+from server.lora.routes import lora_router
 from server.metrics.collector import EngineMetrics
 from server.metrics.names import MetricNames
 from server.openai.chat.protocol import ChatCompletion, ChatCompletionRequest
@@ -80,6 +81,7 @@ def attach_metrics(engine: EngineClient, config: ServerConfig) -> EngineMetrics:
         info.num_kv_blocks,
         info.max_model_len,
         MetricNames(config.metrics_names),
+        info.max_loras,
     )
     engine.on_stats = metrics.record
     return metrics
@@ -108,8 +110,15 @@ def create_app(
         config.responses_max_bytes,
     )
 
+    modules = config.parsed_lora_modules()
+    if modules and engine.info.max_loras is None:
+        raise ConfigError("--lora-modules needs --enable-lora")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Before the first request: a bad adapter stops the start-up with its reason.
+        for module in modules:
+            await state.loras.load(engine, module.name, module.path, module.base_model_name)
         yield
         state.close()
         store.close()
@@ -149,10 +158,12 @@ def create_app(
             raise invalid(str(exc), exc.param) from None
 
     def card(name: str) -> ModelCard:
+        adapter = state.loras.get(name)
         return ModelCard(
             id=name,
             created=state.created,
-            root=state.model_root,
+            root=state.model_root if adapter is None else adapter.lora_path,
+            parent=None if adapter is None else state.model_names[0],
             max_model_len=state.max_model_len,
             task="embed" if engine.info.pooler is not None else "generate",
         )
@@ -200,6 +211,8 @@ def create_app(
         require_engine()
 
     app.include_router(pooling_router(state, before_pooling))
+    if config.allow_runtime_lora_updating:
+        app.include_router(lora_router(state.loras, engine))
 
     # vLLM's render routes (routers tokenize through them): prepared as their routes prepare
     # a request, nothing generated; no admission, as nothing is queued.
@@ -241,7 +254,8 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in state.model_names])
+        names = [*state.model_names, *state.loras.adapters]
+        return ModelList(data=[card(name) for name in names])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:

@@ -15,10 +15,11 @@ from transformers import PreTrainedTokenizerBase
 
 from config import ServerConfig
 from engine import PoolingRequestOutput, RequestOutput
-from engine.client import EngineClient
+from engine.client import EngineClient, LoRARequest
 from engine.loading.default_model import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
 from server.errors import APIError, model_not_found
 from server.http.admission import Gate
+from server.lora.registry import LoRARegistry
 
 T = TypeVar("T")
 # A generation's outputs, or a pooling request's one output: both pass the admission gate alike.
@@ -41,6 +42,7 @@ class ServerState:
     # The format tool calls are read in (and, for `generic`, asked for): --tool-call-parser, or
     # what `auto` chose from the chat template (server/openai/parsers/choose.py).
     tool_call_parser: str
+    loras: LoRARegistry = field(default_factory=lambda: LoRARegistry([]))
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, one at a time, off the event loop: a fast
     # tokenizer is not safe to call from several threads at once.
@@ -56,13 +58,15 @@ class ServerState:
         tool_call_parser: str,
         on_reject: Callable[[str], None] | None = None,
     ) -> ServerState:
+        names = served_model_names(engine, config)
         return cls(
             engine,
             config,
-            served_model_names(engine, config),
+            names,
             engine.info.tokenizer,
             Gate(config.max_waiting_requests, on_reject),
             tool_call_parser,
+            LoRARegistry(names),
         )
 
     def close(self) -> None:
@@ -81,12 +85,22 @@ class ServerState:
         return self.engine.info.model_path
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to report; 404 for a model this server does not serve."""
+        """The name to report; 404 for a model this server does not serve (a LoRA adapter's
+        name is a model's here, as in vLLM)."""
         if requested is None or requested == "":
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and self.loras.get(requested) is None:
             raise model_not_found(requested)
         return requested
+
+    def lora_for(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` selects; None: the base model."""
+        if not requested or requested in self.model_names:
+            return None
+        adapter = self.loras.get(requested)
+        if adapter is None:  # unloaded since the route resolved the name
+            raise model_not_found(requested)
+        return adapter
 
     async def generate(
         self, request: Request, submitted: AsyncGenerator[Out, None]

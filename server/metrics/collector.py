@@ -112,7 +112,9 @@ class EngineMetrics:
         num_blocks: int,
         max_model_len: int,
         names: MetricNames | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: the LoRA slots, when LoRA is on (its metrics exist only then)."""
         self.registry = registry
         names = names or MetricNames()
         fixed = names.labels
@@ -200,6 +202,12 @@ class EngineMetrics:
             registry=registry,
         )
         info.labels(str(block_size), str(num_blocks), *fixed.values()).set(1)
+        self.lora: LoRAMetrics | None = None
+        if max_loras is not None:
+            per_adapter = counter(
+                "lora_requests", "Requests finished under each LoRA adapter.", ("lora_name",)
+            )
+            self.lora = LoRAMetrics(registry, names, max_loras, per_adapter, m)
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""
@@ -225,6 +233,8 @@ class EngineMetrics:
             self.itl.observe(value)
         for tokens in stats.iteration_tokens:
             self.iteration.observe(tokens)
+        if self.lora is not None:
+            self.lora.record(stats)
         for done in stats.finished:
             self.success[done.finish_reason].inc()
             self.e2e.observe(done.e2e_latency)
@@ -238,3 +248,42 @@ class EngineMetrics:
             ):
                 if seconds is not None:
                     histogram.observe(seconds)
+
+
+class LoRAMetrics:
+    """vLLM's `lora_requests_info`: one series whose labels name the adapters of the running
+    and the waiting requests now (the gateways that route by adapter read them), its value the
+    time it was last set; the series of the previous state is removed when the state changes.
+    And finished requests counted per adapter."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        names: MetricNames,
+        max_loras: int,
+        requests: Counter,
+        labels: tuple[str, ...],
+    ) -> None:
+        """`requests`: the per-adapter counter, labelled `labels` then the adapter's name."""
+        fixed = names.labels
+        self.fixed = tuple(fixed.values())
+        self.max_lora = str(max_loras)
+        self.info = Gauge(
+            names.name("lora_requests_info"),
+            "Running stats on LoRA requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters", *fixed],
+            registry=registry,
+        )
+        self.requests = requests
+        self.per_adapter_labels = labels
+        self.shown: tuple[str, str] | None = None
+
+    def record(self, stats: EngineStats) -> None:
+        now = (",".join(stats.running_loras), ",".join(stats.waiting_loras))
+        if self.shown is not None and self.shown != now:
+            self.info.remove(self.max_lora, *self.shown, *self.fixed)
+        self.shown = now
+        self.info.labels(self.max_lora, *now, *self.fixed).set_to_current_time()
+        for done in stats.finished:
+            if done.lora_name is not None:
+                self.requests.labels(*self.per_adapter_labels, done.lora_name).inc()

@@ -38,6 +38,7 @@ IN_VLLM = frozenset(
         "request_generation_tokens",
         "iteration_tokens_total",
         "cache_config_info",
+        "lora_requests_info",
     }
 )
 

@@ -83,7 +83,9 @@ async def prepare_chat(
     params = engine_params(state, req, prompt_ids, requested, "messages", top_n, None, structured)
     outputs = await submit(
         state,
-        EngineRequest(request_id, prompt_ids, prompt_ids, params, req.priority),
+        EngineRequest(
+            request_id, prompt_ids, prompt_ids, params, req.priority, state.lora_for(req.model)
+        ),
         constraint_param,
     )
     return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)

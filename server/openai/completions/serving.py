@@ -79,7 +79,14 @@ async def prepare_completion(
         prompt = p.text if p.text is not None else p.token_ids
         p.outputs = await submit(
             state,
-            EngineRequest(f"{response_id}-{i}", prompt, p.token_ids, p.params, req.priority),
+            EngineRequest(
+                f"{response_id}-{i}",
+                prompt,
+                p.token_ids,
+                p.params,
+                req.priority,
+                state.lora_for(req.model),
+            ),
             constraint_param,
         )
     return prompts

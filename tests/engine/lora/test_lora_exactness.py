@@ -129,3 +129,20 @@ def test_fewer_slots_than_adapters(llama_dir, adapters, prompts, references):
         outputs = one.generate([prompts[1]] * 4, GREEDY, lora_request=loras)
     expected = [references["a"][1], references["b"][1], references[None][1], references["a"][1]]
     assert _tokens(outputs) == expected
+
+
+def test_removing_an_adapter_in_use_lets_its_requests_finish(llm, adapters, prompts, references):
+    """Unloading takes effect for new requests; one already running keeps its adapter to the
+    end (its slot is left alone while it runs)."""
+    engine = llm.engine
+    engine.add_request(prompts[2], GREEDY, request_id="held", lora_request=adapters["b"])
+    engine.step()  # its first chunk ran under b
+    engine.remove_lora(adapters["b"])
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    assert tokens == {"held": references["b"][2]}
+    engine.remove_lora(adapters["b"])  # idle now: its slot and host copy go
+    assert adapters["b"] not in engine.loras.slots
