@@ -168,6 +168,8 @@ class Scheduler:
         if not self.waiting:
             return
         head = self.waiting[0]
+        if not self._adapter_fits(head):  # preempting would not give it a LoRA slot
+            return
         seats = self._num_seqs_after_admitting(head) - self.max_num_seqs
         first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
         blocks = math.ceil(first_chunk / self.kv.block_size) - self.kv.pool.num_free

@@ -15,10 +15,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from transformers import AutoTokenizer
 
 from config import ConfigError, ServerConfig
+from engine.lora import LoRALoadError
 from engine.stats import EngineStats, FinishedRequest
 from server.app import attach_metrics, create_app
 from server.metrics.collector import EngineMetrics
@@ -44,7 +46,7 @@ def adapters(llama_dir: Path, tmp_path_factory) -> dict[str, Path]:
     return {
         "a": make_adapter(llama_dir, root / "a", 8, 16, ALL_TARGETS, seed=11),
         "b": make_adapter(llama_dir, root / "b", 4, 4, ["q_proj", "v_proj"], seed=12),
-        "r16": make_adapter(llama_dir, root / "r16", 16, 16, ["q_proj"], seed=13),
+        "r32": make_adapter(llama_dir, root / "r32", 32, 16, ["q_proj"], seed=13),
     }
 
 
@@ -220,7 +222,7 @@ def _broken(adapters: dict[str, Path], tmp_path: Path) -> dict[str, tuple[str, s
     wide = make_adapter(wide_model, tmp_path / "wide_adapter", 4, 4, ["q_proj"], seed=0)
     return {
         "missing": (str(tmp_path / "nowhere"), "no such folder"),
-        "rank": (str(adapters["r16"]), "rank 16 is above --max-lora-rank 8"),
+        "rank": (str(adapters["r32"]), "rank 32 is above --max-lora-rank 8"),
         "lm_head": (str(lm_head), "target modules ['lm_head']"),
         "corrupt": (str(corrupt), "not a readable safetensors file"),
         "wide": (str(wide), "does not fit this base model"),
@@ -286,5 +288,21 @@ def test_adapters_on_the_command_line_need_lora(llama_dir, adapters):
     try:
         with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
             create_app(engine, ServerConfig(lora_modules=[f"a={adapters['a']}"]))
+    finally:
+        engine.shutdown()
+
+
+def test_a_bad_adapter_on_the_command_line_stops_the_start(llama_dir, adapters):
+    """The app's start-up (its lifespan) reads every --lora-modules adapter: a rank above the
+    slots' is the start-up's error, before any request is served."""
+    engine = start_engine(
+        model=str(llama_dir), num_kv_blocks=16, max_model_len=64, enable_lora=True
+    )
+    try:
+        app = create_app(engine, ServerConfig(lora_modules=[f"big={adapters['r32']}"]))
+        refused = pytest.raises(LoRALoadError, match="rank 32 is above --max-lora-rank 16")
+        with refused as bad, TestClient(app):
+            pass
+        assert bad.value.param == "lora_path"
     finally:
         engine.shutdown()
