@@ -161,6 +161,8 @@ class KVCacheManager:
                 hashes[start - 1] if start > 0 else None,
                 seq.all_token_ids[start * bs : end * bs],
                 bs,
+                None if seq.lora is None else seq.lora.lora_int_id,
+                None if seq.lora is None else seq.lora.lora_name,
             )
         )
 

@@ -14,6 +14,9 @@ class BlockStored:
     parent_block_hash: bytes | None  # the chain's previous block; None at a prompt's start
     token_ids: list[int]  # len(block_hashes) * block_size tokens
     block_size: int
+    # The LoRA adapter the blocks were computed under (its K/V is its own), as vLLM reports it.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ class LoRASlots:
         self.held: list[LoRARequest | None] = [None] * num_slots
         self.cache: OrderedDict[LoRARequest, PlacedAdapter] = OrderedDict()
         self.layers: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+        model.lora_step = self.step
         self.shard_size = model.shard.size
         for name, module in model.named_modules():
             if not name.startswith("layers.") or not isinstance(

@@ -26,6 +26,7 @@ from engine.models.layers.linear import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from engine.models.layers.lora import LoRAStep
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.weights import load_checkpoint
@@ -89,6 +90,9 @@ class DecoderModel(nn.Module):
         self.lm_head_quantized: PackedWeight | None = None  # the tied head, quantized
         self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
         self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
+        # The LoRA adapters' row selection (engine/lora): a step with adapter rows runs the
+        # Python layers, which apply them; the layers runner does not.
+        self.lora_step: LoRAStep | None = None
 
     # ------------------------------------------------------------ what a subclass provides
 
@@ -171,7 +175,8 @@ class DecoderModel(nn.Module):
         scale = self.embedding_scale()
         if scale is not None:  # in the activations' dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
-        if self.layers_runner is not None:
+        lora_rows = self.lora_step is not None and self.lora_step.mask is not None
+        if self.layers_runner is not None and not lora_rows:
             x = self.layers_runner(x, ctx)
         else:
             for layer in self.layers:

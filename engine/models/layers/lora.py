@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -54,10 +55,12 @@ class LoRALayer(nn.Module):
         if mask is None:
             return y
         parts = len(self.part_sizes)
-        h = (x @ self.a.T).view(x.shape[0], parts, -1) * mask.unsqueeze(1)
+        # F.linear, not `x @ a.T`: on the CPU a bfloat16 matmul with a transposed operand
+        # leaves oneDNN for a loop ~150x slower (7.6 ms against 41 us at 16 x 576 x 384).
+        h = F.linear(x, self.a).view(x.shape[0], parts, -1) * mask.unsqueeze(1)
         start = 0
         for p, b in enumerate(self.b):
-            y[:, start : start + b.shape[0]] += h[:, p] @ b.T
+            y[:, start : start + b.shape[0]] += F.linear(h[:, p], b)
             start += b.shape[0]
         return y
 

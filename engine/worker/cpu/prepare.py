@@ -76,7 +76,8 @@ def prepare_model(
     """Everything above that applies to `model` on the CPU under `backend` (not with
     --enforce-eager: the caller does not call this then). `log_here`: this rank logs;
     `fixed_order`: linears through the fixed-order kernel (--batch-invariant); `lora`: the
-    linears take LoRA adapters, which the C++ layer loop does not apply."""
+    linears take LoRA adapters, which the C++ layer loop does not apply: a step with an
+    adapter's rows runs the Python layers instead."""
     if pack_weights(model, fixed_order) and log_here:
         kernel = (
             "kernels/cpu/bf16_linear" if fixed_order or packed_linear.own_layout() else "oneDNN"
@@ -89,14 +90,17 @@ def prepare_model(
     if why_not is not None and log_here:
         log.warning("norms, rotary and SiLU stay torch ops (slower): %s", why_not)
     # The loop is the cpu backend's path: under another backend it would never run.
-    if lora:
-        why_not = "--enable-lora (the C++ loop does not apply adapters)"
-    elif backend.name == "cpu":
+    if backend.name == "cpu":
         why_not = stack_cpu_layers(model)
     else:
         why_not = f"the {backend.name} attention backend"
     if log_here:
-        if why_not is None:
+        if why_not is None and lora:
+            log.info(
+                "decoder layers run in one C++ loop on the CPU, but from Python in steps with "
+                "LoRA adapter rows (the loop does not apply adapters)"
+            )
+        elif why_not is None:
             log.info("decoder layers run in one C++ loop on the CPU (--enforce-eager: Python)")
         else:
             log.info("decoder layers run from Python: %s", why_not)
