@@ -26,6 +26,7 @@ from engine.kv_events.wire import CacheSpec
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
 from engine.lora.assignment import SlotAssignment
+from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
@@ -352,16 +353,15 @@ class LLMEngine:
         if not out.scheduled:
             self._publish_kv_events()
             return []
-        self._record_scheduled(out)
-        self.step_shape = (len(out.scheduled), out.num_tokens)
         slot_of = None
         if self.loras is not None:
             loras = self.loras
-            loras.place(
-                {s.seq.lora for s in out.scheduled if s.seq.lora is not None},
-                self.executor.load_lora,
-            )
+            broken = self._place_loras(loras, out)
+            if broken is not None:
+                return self._drop_adapter(broken, out)
             slot_of = lambda seq: loras.slot_of(seq.lora)  # noqa: E731
+        self._record_scheduled(out)
+        self.step_shape = (len(out.scheduled), out.num_tokens)
         batch = build_step_batch(out, self.block_size, slot_of)
         if self.pooler is not None:
             return list(self._pool(out, batch.host))
@@ -373,6 +373,43 @@ class LLMEngine:
         if out.has_beam_rows:
             outputs.extend(self._beam_step(out, batch.logits_rows, logits))
         self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
+        return outputs
+
+    def _place_loras(
+        self, loras: SlotAssignment, out: SchedulerOutput
+    ) -> tuple[LoRARequest, LoRALoadError] | None:
+        """Every adapter of the step in a slot; the adapter that could not be loaded (its
+        folder gone or changed since it was checked, its host copy dropped) and why."""
+        loading: list[LoRARequest] = []
+
+        def load(slot: int, request: LoRARequest) -> None:
+            loading.append(request)
+            self.executor.load_lora(slot, request)
+
+        try:
+            loras.place({s.seq.lora for s in out.scheduled if s.seq.lora is not None}, load)
+        except LoRALoadError as exc:
+            return loading[-1], exc
+        return None
+
+    def _drop_adapter(
+        self, broken: tuple[LoRARequest, LoRALoadError], out: SchedulerOutput
+    ) -> list[EngineOutput]:
+        """The step does not run: the requests under the adapter that failed to load end
+        (aborted); the others run from the next step, where the scheduler finds them as it
+        left them (their blocks allocated, the step's copy-on-write copies given back)."""
+        request, exc = broken
+        log.error("LoRA adapter %r failed to load; its requests end: %s", request.lora_name, exc)
+        self.kv.pending_copies[:0] = out.block_copies
+        under = {seq.request_id for seq in self.scheduler.running + list(self.scheduler.waiting)}
+        outputs = []
+        for request_id in sorted(under):
+            seqs = self.requests[request_id].sequences
+            if any(seq.lora == request for seq in seqs):
+                aborted = self.abort_request(request_id)
+                if aborted is not None:
+                    outputs.append(aborted)
+        self.executor.forget_lora(request)
         return outputs
 
     def _beam_step(

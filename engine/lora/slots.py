@@ -49,7 +49,7 @@ class LoRASlots:
         self.layers: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
         model.lora_step = self.step
         self.shard_size = model.shard.size
-        for name, module in model.named_modules():
+        for name, module in list(model.named_modules()):  # (a LoRA layer joins each)
             if not name.startswith("layers.") or not isinstance(
                 module, ColumnParallelLinear | RowParallelLinear
             ):

@@ -5,6 +5,7 @@ slot reloaded between steps)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,29 @@ def test_removing_an_adapter_in_use_lets_its_requests_finish(llm, adapters, prom
     assert tokens == {"held": references["b"][2]}
     engine.remove_lora(adapters["b"])  # idle now: its slot and host copy go
     assert adapters["b"] not in engine.loras.slots
+
+
+def test_an_adapter_that_fails_to_reload_ends_only_its_requests(
+    llama_dir, adapters, prompts, references, tmp_path
+):
+    """a's folder is gone by the time a slot needs it (its host copy dropped for b's: one host
+    copy kept): a's request ends aborted, the engine goes on, and b's tokens are b's."""
+    moved = tmp_path / "a"
+    shutil.copytree(adapters["a"].lora_path, moved)
+    a = LoRARequest("a-moved", 7, str(moved))
+    with LLM(
+        str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1
+    ) as one:
+        engine = one.engine
+        engine.add_request(prompts[1], GREEDY, request_id="under-a", lora_request=a)
+        engine.add_request(prompts[1], GREEDY, request_id="under-b", lora_request=adapters["b"])
+        shutil.rmtree(moved)  # a's host copy went when b was read
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0]
+        assert finished["under-a"].finish_reason == "abort"
+        assert finished["under-b"].token_ids == references["b"][1]
+        kv = engine.kv
+        assert kv.pool.num_free == kv.pool.num_blocks
