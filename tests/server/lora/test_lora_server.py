@@ -167,7 +167,7 @@ def test_load_and_unload_at_run_time_while_a_request_streams(
     a, with a's tokens; a new request for a is then a 404; a comes back with a reload."""
     tokenizer = AutoTokenizer.from_pretrained(chat_dir)
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False).input_ids
-    long = 48
+    long = 110  # the context's limit (128) less the prompt: the stream outlasts two calls
     (ref_long,) = peft_greedy(llama_dir, adapters["a"], [prompt_ids], long)
     (ref_b,) = peft_greedy(llama_dir, adapters["b"], [prompt_ids], MAX_NEW)
     started, pieces = threading.Event(), []
@@ -188,6 +188,8 @@ def test_load_and_unload_at_run_time_while_a_request_streams(
     assert loaded.status_code == 200, loaded.text
     unloaded = _post(served, "/v1/unload_lora_adapter", {"lora_name": "a"})
     assert unloaded.status_code == 200, unloaded.text
+    left = len(served.engine.engine.requests)  # (read across threads: a size, no more)
+    assert left == 1, "the stream ended before the unload: nothing was in use"
     streaming.join(120)
     assert "".join(pieces) == _text(tokenizer, ref_long)
 
