@@ -112,9 +112,13 @@ class Scheduler:
         return out
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        # A sequence preempted in this step starts again in a later one at the earliest: back in
+        # now, it would redo its prompt from nothing with the room its preemption made for others.
+        preempted_now = {id(s) for s in out.preempted}
         while (
             self.waiting
             and budget > 0
+            and id(self.waiting[0]) not in preempted_now
             and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs
             and self._adapter_fits(self.waiting[0])
         ):

@@ -433,6 +433,28 @@ def test_an_urgent_arrival_takes_the_place_of_a_less_urgent_running_request() ->
     assert (low.num_output_tokens, same.num_output_tokens, urgent.num_output_tokens) == (3, 2, 2)
 
 
+def test_a_request_preempted_for_an_urgent_one_does_not_restart_in_the_same_step() -> None:
+    """The victim frees more than the arrival needs and budget is left over: it still waits a
+    step, rather than redoing its prompt from nothing with the room just made for another."""
+    sim = Sim(
+        num_blocks=10,
+        block_size=1,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        caching=False,
+        policy="priority",
+    )
+    low = sim.add("low", list(range(8)), max_tokens=2, priority=5)
+    assert scheduled(sim.step()) == [("low", 8)]  # 8 of the 10 blocks
+    sim.add("urgent", [1, 2, 3], max_tokens=2, priority=0)  # needs 3 blocks, 2 are free
+    out = sim.step()
+    assert out.preempted == [low]
+    assert scheduled(out) == [("urgent", 3)]  # 5 tokens of budget and 7 blocks left unused
+    assert list(sim.sched.waiting) == [low]
+    sim.run_to_completion()
+    assert low.num_output_tokens == 2
+
+
 def test_no_room_is_made_when_the_arrival_could_not_start_anyway() -> None:
     sim = Sim(
         num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority"
