@@ -122,10 +122,6 @@ class ModelConfig(_Strict):
             raise ValueError(
                 f"{flag('batch_invariant')} needs the prepacked CPU weights that {flag('enforce_eager')} turns off"
             )
-        if self.batch_invariant and self.quantization is not None:
-            raise ValueError(
-                f"{flag('batch_invariant')} runs the bfloat16 kernel: not with {flag('quantization')}"
-            )
         return self
 
 

@@ -135,10 +135,14 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         )
     quantization, gguf_file = resolve_quantization(config)
     if quantization is not None:
-        why_not = quantization_unfit(device, info, tp_size)
+        why_not = quantization_unfit(device, dtype, info, tp_size, config.model.batch_invariant)
         if why_not is not None:
             raise ConfigError(f"--quantization {quantization}: {why_not}")
         log.info("weights: %s (quantized at load)", quantization)
+    if config.lora.enable_lora:
+        why_not = lora_unfit(info, runner, quantization, config.model.batch_invariant)
+        if why_not is not None:
+            raise ConfigError(f"--enable-lora: {why_not}")
     return ModelSpec(
         path=path,
         tokenizer_path=path if config.model.tokenizer is None else tokenizer_path(config.model),
@@ -178,15 +182,37 @@ def resolve_quantization(config: EngineConfig) -> tuple[str | None, Path | None]
     return named, None
 
 
-def quantization_unfit(device: str, info: ArchitectureInfo, tp_size: int) -> str | None:
+def quantization_unfit(
+    device: str, dtype: torch.dtype, info: ArchitectureInfo, tp_size: int, batch_invariant: bool
+) -> str | None:
     """Why weight quantization cannot run here, or None: its kernel is the CPU's, for the linears
-    of a decoder on one rank."""
+    of a decoder on one rank, with bfloat16 or float32 activations."""
     if device != "cpu":
         return f"it runs on the CPU, not {device}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"its kernel takes bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
     if info.encoder:
         return "it is for decoder models"
     if tp_size > 1:
         return "it runs on one rank, not --tensor-parallel-size > 1"
+    if batch_invariant:
+        # Its kernel widens a tile of weights to bfloat16 first from a few rows on: the sums of
+        # a row then depend on how many rows share its step.
+        return "not with --batch-invariant (its kernel's order depends on the batch's rows)"
+    return None
+
+
+def lora_unfit(
+    info: ArchitectureInfo, runner: str, quantization: str | None, batch_invariant: bool
+) -> str | None:
+    """Why LoRA adapters cannot be served here, or None: they are for a generating decoder with
+    dense MLPs, on weights that are not quantized."""
+    if info.encoder or info.experts or runner != "generate":
+        return "adapters are for generating decoder models with dense MLPs"
+    if quantization is not None:
+        return f"not with quantized weights (--quantization {quantization}) yet"
+    if batch_invariant:
+        return "not with --batch-invariant (the adapters' update is not in a fixed order)"
     return None
 
 

@@ -72,3 +72,8 @@ def test_an_unknown_quantization_is_refused_naming_the_flag(llama_dir: Path) -> 
 def test_int8_is_not_batch_invariant(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="--batch-invariant"):
         LLM(str(llama_dir), quantization="int8", batch_invariant=True)
+
+
+def test_int8_needs_bfloat16_or_float32_activations(llama_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--quantization int8: .*float16"):
+        LLM(str(llama_dir), quantization="int8", dtype="float16")

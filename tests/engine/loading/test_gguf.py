@@ -126,6 +126,12 @@ def test_int8_quantization_of_a_gguf_file_is_refused() -> None:
         LLM(str(gguf_path()), quantization="int8")
 
 
+def test_a_gguf_file_is_not_served_batch_invariant() -> None:
+    # Quantized without the flag: the refusal must come from the file, not from --quantization.
+    with pytest.raises(ConfigError, match="not with --batch-invariant"):
+        LLM(str(gguf_path()), dtype="bfloat16", batch_invariant=True)
+
+
 # Fixed prompts (the default tokenizer's ids of "The capital of France is", "def fibonacci(n):",
 # "Water boils at a temperature of", "Once upon a time, there was a").
 BF16_PROMPTS = [
