@@ -136,15 +136,14 @@ def unpermute_rows(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
     """llama.cpp's converter stores each q (k) head's rows as interleaved pairs of the rotary
     halves; Hugging Face's layout has the halves apart. A permutation of whole rows, so the
     blocks move as they are."""
-    n = weight.q.shape[0]
-    half = n // heads // 2
-    order = torch.arange(n).view(heads, half, 2).transpose(1, 2).reshape(-1)
+    order = _unpermuted_order(weight.q.shape[0], heads)
     mins = None if weight.mins is None else weight.mins[order]
     return QuantizedWeight(weight.q[order], weight.scales[order], mins, weight.bits)
 
 
 def unpermute_dense(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    n = weight.shape[0]
-    half = n // heads // 2
-    order = torch.arange(n).view(heads, half, 2).transpose(1, 2).reshape(-1)
-    return weight[order]
+    return weight[_unpermuted_order(weight.shape[0], heads)]
+
+
+def _unpermuted_order(n: int, heads: int) -> torch.Tensor:
+    return torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)

@@ -25,15 +25,6 @@ def _kernel() -> Linear:
     return quant_linear.linear
 
 
-def kernel_available() -> bool:
-    """Whether the compiled kernel runs here (else the torch fallback does)."""
-    try:
-        from kernels.cpu import quant_linear  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] @ de-quantized weight.T + bias (float32 [n] or None), in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
