@@ -126,15 +126,19 @@ class LoRASlots:
             return [Placement(name, 0, cols.contiguous(), b)]
         if a.shape[1] != layer.in_features:
             raise mismatch(f"A {tuple(a.shape)} for {layer.in_features} input features")
+        # B's rows are checked against the whole tensor, not this rank's slice: rank 0 checks
+        # every adapter for all ranks, so a B that fits rank 0's rows but not another's (or
+        # that is too long, giving each rank a wrong slice) must be refused there.
+        parts = [p for p in layer.part_list if part is None or p.name == part]
+        full = sum(p.total for p in parts)
+        if b.shape[0] != full:
+            names = "+".join(p.name for p in parts)
+            raise mismatch(f"B {tuple(b.shape)} for {full} output features of {names}")
         out = []
         for index, p in enumerate(layer.part_list):
             if part is not None and p.name != part:
                 continue
             first = p.first + (p.offset if part is None else 0)
-            if first + p.count > b.shape[0]:
-                raise mismatch(f"B {tuple(b.shape)} has no rows {first}..{first + p.count}")
-            if self.shard_size == 1 and part is not None and b.shape[0] != p.count:
-                raise mismatch(f"B {tuple(b.shape)} for {p.count} output features of {p.name}")
             out.append(Placement(name, index, a, b[first : first + p.count].contiguous()))
         return out
 

@@ -65,9 +65,9 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             hidden_size,
             [
-                Part("q", q_head0 * head_dim, self.q_size),
-                Part("k", kv_head0 * head_dim, self.kv_size, offset=q_total),
-                Part("v", kv_head0 * head_dim, self.kv_size, offset=q_total + kv_total),
+                Part("q", q_head0 * head_dim, self.q_size, q_total),
+                Part("k", kv_head0 * head_dim, self.kv_size, kv_total, offset=q_total),
+                Part("v", kv_head0 * head_dim, self.kv_size, kv_total, offset=q_total + kv_total),
             ],
             options.qkv_bias,
         )

@@ -81,12 +81,14 @@ class ReplicatedLinear(PackableLinear):
 @dataclass(frozen=True)
 class Part:
     """One checkpoint tensor fused into a column-parallel layer: this rank keeps `count` of its
-    rows from `first`. `offset` is where that tensor starts inside a checkpoint tensor that is
-    itself fused (Phi-3's qkv_proj)."""
+    rows from `first`. `total` is the whole tensor's rows over all ranks (what an adapter's B for
+    it must have, whichever rank checks it). `offset` is where that tensor starts inside a
+    checkpoint tensor that is itself fused (Phi-3's qkv_proj)."""
 
     name: str
     first: int
     count: int
+    total: int
     offset: int = 0
 
 

@@ -44,8 +44,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size,
             [
-                Part("gate", column0, self.intermediate),
-                Part("up", column0, self.intermediate, offset=intermediate_size),
+                Part("gate", column0, self.intermediate, intermediate_size),
+                Part("up", column0, self.intermediate, intermediate_size, offset=intermediate_size),
             ],
             bias,
         )

@@ -146,3 +146,24 @@ def test_fused_parts_and_tensor_parallel_slices(llama_dir, adapter):
         assert slots.scales.tolist() == [0.0, 2.0]
         slots.clear(1)
         assert not lora.a.any() and not down.lora.b[0].any()
+
+
+@pytest.mark.parametrize("rows", [lambda full: full * 3 // 4, lambda full: full * 2])
+def test_rank_zero_refuses_a_b_that_fits_only_its_own_slice(llama_dir, adapter, tmp_path, rows):
+    """Under tensor parallelism 2, a q_proj B with 3/4 of q's rows covers rank 0's half (and
+    not rank 1's), and one with twice the rows gives every rank some slice: rank 0 checks for
+    all ranks, so both are refused on rank 0, before any worker reads them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(adapter, tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_B" in k)
+    full = tensors[name].shape[0]
+    tensors[name] = torch.randn(rows(full), tensors[name].shape[1])
+    save_file(tensors, weights)
+    slots = LoRASlots(_model(llama_dir, Shard(0, 2)), num_slots=1, rank=8, max_cpu_loras=1)
+    with pytest.raises(
+        LoRALoadError, match=rf"qkv_proj: B \({rows(full)}, 8\) for {full} output features of q$"
+    ):
+        slots.load(0, LoRARequest("a", 1, str(folder)))
