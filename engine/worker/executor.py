@@ -29,11 +29,15 @@ from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
 from engine.loading.model_spec import ModelSpec
+from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.worker.model_input import HostBatch
 from engine.worker.model_runner import build_runner
 from engine.worker.tp_worker import (
     ALLOCATE_KV,
+    FORGET_LORA,
+    LOAD_LORA,
+    READ_LORA,
     STEP,
     STOP,
     join_group,
@@ -249,20 +253,43 @@ class TensorParallelExecutor:
         self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))
         self.runner.allocate_kv(num_blocks)
 
+    def _ask(self, data: bytes) -> None:
+        """Send an answered adapter message to every worker; LoRALoadError naming the first
+        rank that could not serve it (each rank reads its own slice from the folder)."""
+        self._send(data)
+        refusals = []
+        for worker in self._ranks.workers:
+            try:
+                answer = worker.conn.recv()
+            except (EOFError, OSError):
+                raise WorkerDiedError(
+                    _describe_dead(self._ranks, timeout=DEATH_NOTICE_SECONDS)
+                    or f"tensor-parallel rank {worker.rank} is gone"
+                ) from None
+            if answer is not None:
+                refusals.append(f"tensor-parallel rank {worker.rank}: {answer}")
+        if refusals:
+            raise LoRALoadError("; ".join(refusals))
+
     def read_lora(self, request: LoRARequest) -> None:
-        """Checked on rank 0 only: every rank reads the same folder, each its own slice."""
+        """Every rank reads and keeps its slice now, when the adapter is added, so that a folder
+        changed or removed later cannot fail one rank on first use."""
         assert self.runner.lora is not None
-        self.runner.lora.read(request)
+        self.runner.lora.read(request)  # first: a bad adapter raises before any worker
+        try:
+            self._ask(lora_message(READ_LORA, request))
+        except LoRALoadError:
+            self.forget_lora(request)
+            raise
 
     def load_lora(self, slot: int, request: LoRARequest) -> None:
         self.runner.load_lora(slot, request)  # first: a bad adapter raises before any worker
-        self._send(lora_message(slot, request))
+        self._ask(lora_message(LOAD_LORA, request, slot))
 
     def forget_lora(self, request: LoRARequest) -> None:
-        # Workers keep their host copies until their cache turns them over: harmless, and one
-        # message fewer on a path that must never block a step.
         if self.runner.lora is not None:
             self.runner.lora.forget(request)
+        self._send(lora_message(FORGET_LORA, request))
 
     def embed(self, batch: HostBatch) -> torch.Tensor:
         raise RuntimeError(

@@ -20,32 +20,50 @@ import torch.distributed as dist
 from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.loading.model_spec import ModelSpec
+from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.worker.model_input import HostBatch
-from engine.worker.model_runner import build_runner
+from engine.worker.model_runner import ModelRunner, build_runner
 
 log = logging.getLogger(__name__)
 
 STOP = b""
-# Every other message is int64s: its kind, then a packed `HostBatch` to run or the KV pool's size.
-STEP, ALLOCATE_KV, LOAD_LORA = 0, 1, 2
+# Every other message is int64s: its kind, then a packed `HostBatch` to run or the KV pool's size,
+# or an adapter to read, load into a slot or forget.
+STEP, ALLOCATE_KV, LOAD_LORA, READ_LORA, FORGET_LORA = 0, 1, 2, 3, 4
+# READ_LORA and LOAD_LORA are answered: None, or why the adapter cannot be served on this rank.
+ANSWERED = (READ_LORA, LOAD_LORA)
 
 
 def message(kind: int, body: torch.Tensor) -> bytes:
     return torch.cat([torch.tensor([kind], dtype=torch.int64), body]).numpy().tobytes()
 
 
-def lora_message(slot: int, request: LoRARequest) -> bytes:
-    """An adapter to load into a slot: its request as JSON, padded to whole int64s."""
+def lora_message(kind: int, request: LoRARequest, slot: int = -1) -> bytes:
+    """An adapter message: its request (and slot) as JSON, padded to whole int64s."""
     text = json.dumps({"slot": slot, **dataclasses.asdict(request)}).encode()
     text += b" " * (-len(text) % 8)
-    return message(LOAD_LORA, torch.frombuffer(bytearray(text), dtype=torch.int64))
+    return message(kind, torch.frombuffer(bytearray(text), dtype=torch.int64))
 
 
 def read_lora_message(values: torch.Tensor) -> tuple[int, LoRARequest]:
     fields = json.loads(values.numpy().tobytes())
     slot = fields.pop("slot")
     return slot, LoRARequest(**fields)
+
+
+def _run_lora(runner: ModelRunner, kind: int, slot: int, request: LoRARequest) -> str | None:
+    """Read or load an adapter on this rank; a failure is answered, not raised, so that rank 0
+    ends only that adapter's requests instead of the worker (and every request) dying."""
+    assert runner.lora is not None
+    try:
+        if kind == READ_LORA:
+            runner.lora.read(request)
+        else:
+            runner.load_lora(slot, request)
+    except LoRALoadError as exc:
+        return str(exc)
+    return None
 
 
 def join_group(config: EngineConfig, spec: ModelSpec, rank: int, port: int) -> None:
@@ -88,8 +106,11 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
             values = torch.frombuffer(bytearray(packed), dtype=torch.int64)
             if values[0] == ALLOCATE_KV:
                 runner.allocate_kv(int(values[1]))
-            elif values[0] == LOAD_LORA:
-                runner.load_lora(*read_lora_message(values[1:]))
+            elif values[0] in ANSWERED:
+                conn.send(_run_lora(runner, int(values[0]), *read_lora_message(values[1:])))
+            elif values[0] == FORGET_LORA:
+                if runner.lora is not None:
+                    runner.lora.forget(read_lora_message(values[1:])[1])
             else:
                 runner.execute(HostBatch.unpack(values[1:]))
     finally:
