@@ -59,10 +59,14 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     if config.get("peft_type", "LORA") != "LORA":
         raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1:
+    # bool is an int in Python: `"r": true` must not read as rank 1.
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise _refuse(path, f"rank r must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, int | float):
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise _refuse(path, f"use_rslora must be true or false, got {rslora!r}")
     if rank > max_rank:
         raise _refuse(path, f"rank {rank} is above --max-lora-rank {max_rank}")
     # Settings that change what the update is; applying the adapter without them would give
@@ -81,13 +85,17 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     targets = config.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: the tensors say what it matched
         targets = []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise _refuse(
+            path, f"target_modules must be a string or a list of strings, got {targets!r}"
+        )
     unknown = sorted({t.split(".")[-1] for t in targets} - set(SUPPORTED_TARGETS))
     if unknown:
         raise _refuse(
             path,
             f"target modules {unknown} are not among the supported {list(SUPPORTED_TARGETS)}",
         )
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
     return rank, float(scaling)
 
 
@@ -125,6 +133,15 @@ def read_checkpoint(path: str | Path, max_rank: int) -> LoRACheckpoint:
     """The adapter in folder `path`, its tensors in float32 on the host; LoRALoadError if it
     cannot be served with slots of rank `max_rank`."""
     folder = Path(path)
+    try:
+        return _read(folder, max_rank)
+    except LoRALoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a checkpoint is user input: never a 500
+        raise _refuse(folder, f"cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _read(folder: Path, max_rank: int) -> LoRACheckpoint:
     if not folder.is_dir():
         raise _refuse(folder, "no such folder")
     config = _read_config(folder)

@@ -62,6 +62,13 @@ def test_rslora_scaling(adapter, tmp_path):
         ({"target_modules": ["q_proj", "lm_head"]}, r"target modules \['lm_head'\]"),
         ({"rank_pattern": {"q_proj": 4}}, "rank_pattern not supported"),
         ({"peft_type": "IA3"}, "is not LORA"),
+        ({"target_modules": 5}, "target_modules must be a string or a list of strings, got 5"),
+        ({"target_modules": [1]}, r"target_modules must be .* got \[1\]"),
+        ({"r": True}, "rank r must be a positive integer, got True"),
+        ({"r": "8"}, "rank r must be a positive integer, got '8'"),
+        ({"lora_alpha": [16]}, r"lora_alpha must be a number, got \[16\]"),
+        ({"use_rslora": "yes"}, "use_rslora must be true or false, got 'yes'"),
+        ({"peft_type": ["LORA"]}, "is not LORA"),
     ],
 )
 def test_config_checks(adapter, tmp_path, change, message):
@@ -167,3 +174,16 @@ def test_rank_zero_refuses_a_b_that_fits_only_its_own_slice(llama_dir, adapter, 
         LoRALoadError, match=rf"qkv_proj: B \({rows(full)}, 8\) for {full} output features of q$"
     ):
         slots.load(0, LoRARequest("a", 1, str(folder)))
+
+
+def test_an_unexpected_error_while_reading_is_a_load_error(adapter, monkeypatch):
+    """Whatever a checkpoint makes the reader raise is the adapter's 400, never a 500."""
+    from engine.lora import checkpoint
+
+    def broken(path, tensors, rank):
+        raise KeyError("weird")
+
+    monkeypatch.setattr(checkpoint, "_pair_tensors", broken)
+    with pytest.raises(LoRALoadError, match="cannot be read: KeyError: 'weird'") as caught:
+        read_checkpoint(adapter, max_rank=8)
+    assert caught.value.param == "lora_path"
