@@ -349,6 +349,7 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
+        self.kv.begin_step()
         out = self.scheduler.schedule()
         if not out.scheduled:
             self._publish_kv_events()
@@ -400,6 +401,7 @@ class LLMEngine:
         left them (their blocks allocated, the step's copy-on-write copies given back)."""
         request, exc = broken
         log.error("LoRA adapter %r failed to load; its requests end: %s", request.lora_name, exc)
+        self.kv.unregister_step()  # first: the aborted requests' blocks must not stay cached
         self.kv.pending_copies[:0] = out.block_copies
         under = {seq.request_id for seq in self.scheduler.running + list(self.scheduler.waiting)}
         outputs = []

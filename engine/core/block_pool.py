@@ -106,6 +106,17 @@ class BlockPool:
             return True
         return False
 
+    def uncache(self, block_id: int) -> None:
+        """Take a block's hash away (its contents were never written): a free one becomes plain."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            return
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        if block.ref_cnt == 0:
+            del self._free_cached[block_id]
+            self._free_plain[block_id] = None
+
     def cached_hashes(self) -> set[BlockHash]:
         """Every hash a lookup can find now (what KV event subscribers should believe)."""
         return set(self._cached)

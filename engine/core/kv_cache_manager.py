@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass, field
 
 from engine.core.block_pool import BlockHash, BlockPool
 from engine.core.sequence import Sequence
@@ -26,6 +27,13 @@ SLID_PAST = -1  # a table entry whose block every layer's window has left behind
 
 def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class _StepStores:
+    # seq_id -> (blocks it had registered before the step, the blocks the step registered)
+    registered: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    events: list[BlockStored] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -49,6 +57,8 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         # (src, dst) block copies the next forward pass must make before it writes (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        # What this step registered, so that a step that does not run can take it back.
+        self._step_stores = _StepStores()
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -136,9 +146,11 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(seq, num_full)
+        self._step_stores.registered.setdefault(seq.seq_id, (done, []))
         run_start = None  # the first block of the run of newly registered blocks
         for i in range(done, num_full):
             if self.pool.cache(table[i], hashes[i]):
+                self._step_stores.registered[seq.seq_id][1].append(table[i])
                 if run_start is None:
                     run_start = i
             elif run_start is not None:
@@ -155,16 +167,35 @@ class KVCacheManager:
         if self.events is None:
             return
         bs = self.block_size
-        self.events.events.append(
-            BlockStored(
-                hashes[start:end],
-                hashes[start - 1] if start > 0 else None,
-                seq.all_token_ids[start * bs : end * bs],
-                bs,
-                None if seq.lora is None else seq.lora.lora_int_id,
-                None if seq.lora is None else seq.lora.lora_name,
-            )
+        stored = BlockStored(
+            hashes[start:end],
+            hashes[start - 1] if start > 0 else None,
+            seq.all_token_ids[start * bs : end * bs],
+            bs,
+            None if seq.lora is None else seq.lora.lora_int_id,
+            None if seq.lora is None else seq.lora.lora_name,
         )
+        self.events.events.append(stored)
+        self._step_stores.events.append(stored)
+
+    def begin_step(self) -> None:
+        """A step is about to be scheduled: what it registers can be taken back until the next."""
+        self._step_stores = _StepStores()
+
+    def unregister_step(self) -> None:
+        """The step scheduled since `begin_step` will not run: its blocks' K/V is never written,
+        so the blocks it registered by hash leave the cache (a later prompt must not hit them),
+        their BlockStored events are dropped, and each sequence registers them again when a
+        step that runs computes them."""
+        for seq_id, (done, block_ids) in self._step_stores.registered.items():
+            for block_id in block_ids:
+                self.pool.uncache(block_id)
+            if seq_id in self._num_registered:
+                self._num_registered[seq_id] = done
+        if self.events is not None:
+            dropped = {id(e) for e in self._step_stores.events}
+            self.events.events[:] = [e for e in self.events.events if id(e) not in dropped]
+        self._step_stores = _StepStores()
 
     def take_events(self) -> list[KVEvent]:
         return self.events.take() if self.events is not None else []
