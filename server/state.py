@@ -84,12 +84,14 @@ class ServerState:
     def model_root(self) -> str:
         return self.engine.info.model_path
 
-    def resolve_model(self, requested: str | None) -> str:
+    def resolve_model(self, requested: str | None, adapters: bool = True) -> str:
         """The name to report; 404 for a model this server does not serve (a LoRA adapter's
-        name is a model's here, as in vLLM)."""
+        name is a model's here, as in vLLM). `adapters` False: a route that runs only the base
+        model (pooling), where an adapter's name would otherwise be silently ignored."""
         if requested is None or requested == "":
             return self.model_names[0]
-        if requested not in self.model_names and self.loras.get(requested) is None:
+        adapter = self.loras.get(requested) if adapters else None
+        if requested not in self.model_names and adapter is None:
             raise model_not_found(requested)
         return requested
 

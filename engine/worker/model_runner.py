@@ -149,6 +149,8 @@ class ModelRunner:
         pooler = self.spec.pooler
         assert pooler is not None, "embed() on a generating runner"
         inp = batch.to_device(self.device, self.upload)
+        if self.lora is not None:  # the step's own mask, never the last generating step's
+            self.lora.begin_step(batch.lora_slots, batch.query_lens, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return pool(hidden, batch.query_lens, pooler).cpu()
 

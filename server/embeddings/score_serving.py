@@ -32,7 +32,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> list[float]:
 
 
 async def create_score(state: ServerState, req: ScoreRequest, request: Request) -> ScoreResponse:
-    model = state.resolve_model(req.model)
+    model = state.resolve_model(req.model, adapters=False)  # pooling: no LoRA
     require_pooling(state)
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
@@ -69,7 +69,7 @@ async def create_score(state: ServerState, req: ScoreRequest, request: Request) 
 
 
 async def create_rerank(state: ServerState, req: RerankRequest, request: Request) -> RerankResponse:
-    model = state.resolve_model(req.model)
+    model = state.resolve_model(req.model, adapters=False)  # pooling: no LoRA
     require_pooling(state)
     check_count(state, req.documents, "documents")
     if not req.query:

@@ -27,7 +27,7 @@ def encode_base64(vector: torch.Tensor) -> str:
 async def create_embedding(
     state: ServerState, req: EmbeddingRequest, request: Request
 ) -> EmbeddingResponse:
-    model = state.resolve_model(req.model)
+    model = state.resolve_model(req.model, adapters=False)  # pooling: no LoRA
     require_pooling(state)
     inputs = split_inputs(req.input)
     check_count(state, inputs, "input")

@@ -160,6 +160,20 @@ def _post(served, route: str, body: dict) -> httpx.Response:
     return httpx.post(served.url + route, json=body, timeout=60)
 
 
+def test_pooling_routes_do_not_take_an_adapter(served):
+    """Pooling runs the base model only: an adapter's name there is an unknown model, not
+    silently the base model's output."""
+    for route, body in (
+        ("/v1/embeddings", {"input": "x"}),
+        ("/v1/score", {"text_1": "x", "text_2": "y"}),
+        ("/v1/rerank", {"query": "x", "documents": ["y"]}),
+    ):
+        response = _post(served, route, {"model": "a", **body})
+        assert response.status_code == 404, (route, response.text)
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_found", "model"), route
+
+
 def test_load_and_unload_at_run_time_while_a_request_streams(
     served, client, llama_dir, chat_dir, adapters
 ):
