@@ -164,6 +164,8 @@ class LLMEngine:
         )
         lora = config.lora
         self.loras = SlotAssignment(lora.max_loras) if lora.enable_lora else None
+        # Adapters unloaded while requests still ran under them: dropped when the last ends.
+        self._unloading: set[LoRARequest] = set()
         self.scheduler = Scheduler(
             config.scheduler, self.kv, lora.max_loras if lora.enable_lora else None
         )
@@ -265,16 +267,24 @@ class LLMEngine:
         if self.loras is None:
             raise InvalidRequestError("LoRA adapters need --enable-lora", param="model")
         self.executor.read_lora(request)
+        self._unloading.discard(request)  # served again: no longer to be dropped
 
     def remove_lora(self, request: LoRARequest) -> None:
         """Forget an adapter's host copy and slot; requests running under it still finish
-        under it (a slot it needs again is reloaded from its folder)."""
+        under it (a slot it needs again is reloaded from its folder), and it is forgotten
+        when the last of them ends."""
         if self.loras is None:
             return
-        busy = any(
-            seq.lora == request for seq in (*self.scheduler.running, *self.scheduler.waiting)
-        )
-        if not busy:
+        self._unloading.add(request)
+        self._finish_unloads()
+
+    def _finish_unloads(self) -> None:
+        """Drop every unloaded adapter that no request runs or waits under any more."""
+        if not self._unloading or self.loras is None:
+            return
+        busy = {seq.lora for seq in (*self.scheduler.running, *self.scheduler.waiting)}
+        for request in self._unloading - busy:
+            self._unloading.discard(request)
             self.loras.drop(request)
             self.executor.forget_lora(request)
 
@@ -327,6 +337,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self._record_finish(request, time.time())
+        self._finish_unloads()
         if request.sequences[0].pooling is not None:
             return PoolingRequestOutput(request_id, request.prompt_token_ids, None)
         return make_output(request)
@@ -349,6 +360,11 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
+        outputs = self._step()
+        self._finish_unloads()  # an unloaded adapter whose last request ended in this step
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         self.kv.begin_step()
         out = self.scheduler.schedule()
         if not out.scheduled:

@@ -1,0 +1,42 @@
+"""Unloading an adapter that requests still run under: they finish under it, and the adapter
+(its slot and its host copy) is dropped when the last of them ends, not kept for ever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
+from engine.sampling_params import SamplingParams
+from tests.support.lora import make_adapter
+from tests.support.models import finish_all
+
+
+def test_an_adapter_unloaded_in_use_is_dropped_when_its_last_request_ends(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    lora = LoRARequest("a", 1, str(make_adapter(llama_dir, tmp_path / "a", 4, 8, ["q_proj"], 51)))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(llama_dir),
+            enable_lora=True,
+            max_loras=1,
+            max_lora_rank=4,
+            num_kv_blocks=16,
+            block_size=8,
+            max_model_len=64,
+        )
+    )
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = list(range(5, 11))
+    for request_id in ("r1", "r2"):
+        engine.add_request("", params, request_id, prompt_token_ids=prompt, lora_request=lora)
+    engine.step()
+    engine.remove_lora(lora)
+    host = engine.executor.runner.lora
+    assert lora in host.cache and engine.loras.slots == [lora]  # still in use
+    engine.abort_request("r1")
+    assert lora in host.cache  # r2 still runs under it
+    assert finish_all(engine).keys() == {"r2"}
+    assert lora not in host.cache and engine.loras.slots == [None]
