@@ -211,7 +211,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if lora_request is not None:
-            self.add_lora(lora_request)
+            try:
+                self.add_lora(lora_request)
+            except LoRALoadError as exc:  # the request names the adapter by its `model`
+                raise LoRALoadError(str(exc), param="model") from None
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if checked is None:
             checked = self.check(prompt_ids, params, priority)

@@ -24,10 +24,11 @@ SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 class LoRALoadError(InvalidRequestError):
     """An adapter that cannot be served: a 400 when loaded at run time, a start-up error when
-    named on the command line."""
+    named on the command line. `param`: `lora_path` where the request names the folder (a
+    load), `model` where it names the adapter (a completion)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="lora_path")
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message, param=param)
 
 
 @dataclass(frozen=True)

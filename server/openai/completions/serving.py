@@ -75,6 +75,7 @@ async def prepare_completion(
             structured=structured,
         )
     # Every prompt submitted (checked, its grammar compiled) before any is queued.
+    lora = state.lora_for(req.model)  # once: every prompt runs under the same adapter
     for i, p in enumerate(prompts):
         prompt = p.text if p.text is not None else p.token_ids
         p.outputs = await submit(
@@ -85,7 +86,7 @@ async def prepare_completion(
                 p.token_ids,
                 p.params,
                 req.priority,
-                state.lora_for(req.model),
+                lora,
             ),
             constraint_param,
         )
