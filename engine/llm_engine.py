@@ -290,6 +290,7 @@ class LLMEngine:
             self._unloading.discard(request)
             self.loras.drop(request)
             self.executor.forget_lora(request)
+            self._stats.unloaded_loras.append(request.lora_name)
 
     def add_pooling_request(
         self,

@@ -49,3 +49,5 @@ class EngineStats:
     # The LoRA adapters of the running and the waiting requests now, by name (LoRA on only).
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
+    # Adapters unloaded since the previous snapshot, once no request ran under them any more.
+    unloaded_loras: list[str] = field(default_factory=list)

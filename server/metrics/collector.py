@@ -6,6 +6,8 @@ running, waiting and KV usage read 0."""
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import EngineStats
@@ -287,3 +289,8 @@ class LoRAMetrics:
         for done in stats.finished:
             if done.lora_name is not None:
                 self.requests.labels(*self.per_adapter_labels, done.lora_name).inc()
+        # After its last request was counted: run-time loads would otherwise grow the series
+        # without bound. (A series only exists once a request under the adapter finished.)
+        for name in stats.unloaded_loras:
+            with contextlib.suppress(KeyError):
+                self.requests.remove(*self.per_adapter_labels, name)

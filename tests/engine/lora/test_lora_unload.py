@@ -47,6 +47,7 @@ def test_an_adapter_unloaded_in_use_is_dropped_when_its_last_request_ends(
     assert lora in host.cache  # r2 still runs under it
     assert finish_all(engine).keys() == {"r2"}
     assert lora not in host.cache and engine.loras.slots == [None]
+    assert engine.take_stats().unloaded_loras == ["a"]  # its metrics series go too
 
 
 def test_a_request_whose_adapter_cannot_be_read_names_its_model(

@@ -273,7 +273,9 @@ def test_metrics_name_the_adapters(served):
         for (name, labels), value in samples.items()
         if name == "pagedserve:lora_requests_total"
     }
-    assert counts["a"] >= 5 and counts["b"] >= 2
+    # a was unloaded (after its stream ended) and loaded again with no request since: its
+    # series went with the unload.
+    assert "a" not in counts and counts["b"] >= 2
 
 
 def test_vllm_gauge_follows_running_and_waiting_adapters():
@@ -289,6 +291,18 @@ def test_vllm_gauge_follows_running_and_waiting_adapters():
         'pagedserve:lora_requests_total{engine="0",lora_name="b",model_name="tiny-llama"} 1.0'
         in text
     )
+
+
+def test_an_unloaded_adapters_request_count_goes_away():
+    metrics = EngineMetrics(CollectorRegistry(), BASE, 16, 64, 128, MetricNames("pagedserve"), 4)
+    metrics.record(EngineStats(finished=[_done("a"), _done("b")]))
+    # b's last request and its unload in one snapshot: counted, then removed; c never finished.
+    metrics.record(EngineStats(finished=[_done("b")], unloaded_loras=["b", "c"]))
+    text = generate_latest(metrics.registry).decode()
+    series = [line for line in text.splitlines() if line.startswith("pagedserve:lora_requests_")]
+    assert [line for line in series if "_total{" in line] == [
+        'pagedserve:lora_requests_total{lora_name="a",model_name="tiny-llama"} 1.0'
+    ]
 
 
 def _done(name: str) -> FinishedRequest:
