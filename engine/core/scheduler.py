@@ -172,21 +172,26 @@ class Scheduler:
         if not self.waiting:
             return
         head = self.waiting[0]
-        if not self._adapter_fits(head):  # preempting would not give it a LoRA slot
-            return
+        # The head's adapter finds no LoRA slot: a slot frees once every running sequence of
+        # one adapter is among the victims.
+        needs_slot = not self._adapter_fits(head)
+        under = Counter(s.lora for s in self.running if s.lora is not None)
         seats = self._num_seqs_after_admitting(head) - self.max_num_seqs
         first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
         blocks = math.ceil(first_chunk / self.kv.block_size) - self.kv.pool.num_free
         victims: list[Sequence] = []
         for seq in reversed(self.running):
-            if seats <= 0 and blocks <= 0:
+            if seats <= 0 and blocks <= 0 and not needs_slot:
                 break
             if rank(seq) <= rank(head):
                 return  # the rest are at least as urgent: the head waits its turn
             victims.append(seq)
             seats -= 1 + len(seq.forks)
             blocks -= len(self.kv.block_table(seq))  # at most: shared blocks stay
-        if seats > 0 or blocks > 0:
+            if seq.lora is not None:
+                under[seq.lora] -= 1
+                needs_slot = needs_slot and under[seq.lora] > 0
+        if seats > 0 or blocks > 0 or needs_slot:
             return
         for victim in victims:
             self.running.remove(victim)

@@ -66,3 +66,31 @@ def test_a_preempted_request_keeps_its_adapter() -> None:
                 s.seq.append_token(0)
     assert preempted and all(seq.lora == a for seq in preempted)
     assert all(seq.lora == a for seq in [*sched.running, *sched.waiting])
+
+
+def test_an_urgent_request_takes_the_slot_of_a_less_urgent_adapter() -> None:
+    """Priority policy, one slot: every running request of adapter a is less urgent than the
+    head under b, so preempting them frees a's slot and b starts; one urgent request under a
+    keeps the slot, and then b waits."""
+    a, b = ADAPTERS[0], ADAPTERS[1]
+    for urgent_a, admitted in ((False, ["b1"]), (True, [])):
+        kv = KVCacheManager(64, 4, enable_caching=False)
+        config = SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="priority"
+        )
+        sched = Scheduler(config, kv, max_loras=1)
+        running = [_seq("a1", a), _seq("a2", a)]
+        running[0].priority = -5 if urgent_a else 5
+        running[1].priority = 5
+        for seq in running:
+            sched.add(seq)
+        for s in sched.schedule().scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.append_token(0)  # decoding from now on
+        head = _seq("b1", b)
+        head.priority = 0
+        sched.add(head)
+        out = sched.schedule()
+        assert [s.seq.seq_id for s in out.scheduled if s.seq is head] == admitted
+        assert sorted(s.seq_id for s in out.preempted) == ([] if urgent_a else ["a1", "a2"])
+        assert _running_adapters(sched) == ({"a"} if urgent_a else {"b"})
