@@ -89,11 +89,17 @@ class LLM:
         checked = [
             self.engine.check(ids, p, rank) for ids, p, rank in zip(token_ids, params, priorities)
         ]
-        for adapter in {lora for lora in loras if lora is not None}:
+        for adapter in {lora for lora in loras if lora is not None}:  # each read once, here
             self.engine.add_lora(adapter)
         request_ids = [
             self.engine.add_request(
-                prompt, p, prompt_token_ids=t, checked=c, priority=rank, lora_request=lora
+                prompt,
+                p,
+                prompt_token_ids=t,
+                checked=c,
+                priority=rank,
+                lora_request=lora,
+                lora_read=True,
             )
             for prompt, p, t, c, rank, lora in zip(
                 batch, params, token_ids, checked, priorities, loras

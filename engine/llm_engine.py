@@ -202,15 +202,17 @@ class LLMEngine:
         checked: CheckedRequest | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        lora_read: bool = False,
     ) -> str:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
         prompt is then not tokenized again); `checked`, when given, says it was validated and
         holds its compiled grammar. `priority` orders it under --scheduling-policy priority
-        (lower first). `lora_request`: the LoRA adapter it runs under (--enable-lora)."""
+        (lower first). `lora_request`: the LoRA adapter it runs under (--enable-lora);
+        `lora_read`: the caller has just read it with `add_lora`, so it is not read again."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if lora_request is not None:
+        if lora_request is not None and not lora_read:
             try:
                 self.add_lora(lora_request)
             except LoRALoadError as exc:  # the request names the adapter by its `model`

@@ -100,6 +100,16 @@ def test_mixed_batch_each_row_its_own_adapter(llm, adapters, prompts, references
     assert kv.pool.num_free == kv.pool.num_blocks
 
 
+def test_generate_reads_each_adapter_once(llm, adapters, prompts, references, monkeypatch):
+    """One read per adapter of the call (before any prompt is queued), not one per prompt."""
+    reads = []
+    read = llm.engine.executor.read_lora
+    monkeypatch.setattr(llm.engine.executor, "read_lora", lambda r: reads.append(r) or read(r))
+    outputs = llm.generate(prompts * 2, GREEDY, lora_request=adapters["a"])
+    assert _tokens(outputs) == references["a"] * 2
+    assert reads == [adapters["a"]]
+
+
 def test_prefix_cache_isolates_adapters(llm, adapters, llama_dir):
     """The same prompt under A, B, A, B, then the base model: nothing cached across adapters,
     the whole cacheable prefix within one, and the tokens from cached K/V still the
