@@ -26,10 +26,10 @@ class SlotAssignment:
         """Give every adapter in `needed` a slot, calling `load(slot, adapter)` for each that
         was not in one."""
         self.clock += 1
-        wanted = set(needed)
+        wanted = dict.fromkeys(needed)  # (in the order given: the same slots on every run)
         if len(wanted) > len(self.slots):
             raise RuntimeError(f"{len(wanted)} adapters in one step, {len(self.slots)} slots")
-        for request in sorted(wanted, key=lambda r: r.lora_int_id):
+        for request in wanted:
             if request in self.slots:
                 slot = self.slots.index(request)
             else:

@@ -44,7 +44,6 @@ class LoRASlots:
         self.step = LoRAStep(num_slots, rank)
         self.max_cpu_loras = max_cpu_loras
         self.scales = torch.zeros(num_slots)
-        self.held: list[LoRARequest | None] = [None] * num_slots
         self.cache: OrderedDict[LoRARequest, PlacedAdapter] = OrderedDict()
         self.layers: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
         model.lora_step = self.step
@@ -154,7 +153,6 @@ class LoRASlots:
             assert lora is not None
             lora.set_slot(slot, placement.part, placement.a, placement.b)
         self.scales[slot] = placed.scaling
-        self.held[slot] = request
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
@@ -163,7 +161,6 @@ class LoRASlots:
             for part in range(len(lora.part_sizes)):
                 lora.set_slot(slot, part, None, None)
         self.scales[slot] = 0.0
-        self.held[slot] = None
 
     def begin_step(
         self, lora_slots: list[int], query_lens: list[int], device: torch.device

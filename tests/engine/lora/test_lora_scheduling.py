@@ -48,12 +48,12 @@ def test_at_most_max_loras_adapters_run_and_the_queue_stays_fcfs() -> None:
 
 
 def test_a_preempted_request_keeps_its_adapter() -> None:
-    """Two blocks of 4 for two growing requests: one is preempted, and it comes back, and
-    stays, under its adapter."""
+    """Two blocks of 4 for two growing requests under two adapters: one is preempted, and it
+    comes back, and stays, under its own adapter (never the other's)."""
     kv = KVCacheManager(2, 4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv, max_loras=1)
-    a = ADAPTERS[0]
-    first, second = _seq("a1", a, max_tokens=8), _seq("a2", a, max_tokens=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv, max_loras=2)
+    a, b = ADAPTERS[0], ADAPTERS[1]
+    first, second = _seq("a1", a, max_tokens=8), _seq("b1", b, max_tokens=8)
     sched.add(first)
     sched.add(second)
     preempted = []
@@ -61,11 +61,13 @@ def test_a_preempted_request_keeps_its_adapter() -> None:
         out = sched.schedule()
         preempted += out.preempted
         for s in out.scheduled:
+            assert s.seq.lora == (a if s.seq.seq_id == "a1" else b)
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.seq.num_computed_tokens == s.seq.num_tokens:
                 s.seq.append_token(0)
-    assert preempted and all(seq.lora == a for seq in preempted)
-    assert all(seq.lora == a for seq in [*sched.running, *sched.waiting])
+    assert preempted
+    for seq in [*preempted, *sched.running, *sched.waiting]:
+        assert seq.lora == (a if seq.seq_id == "a1" else b), seq.seq_id
 
 
 def test_an_urgent_request_takes_the_slot_of_a_less_urgent_adapter() -> None:
