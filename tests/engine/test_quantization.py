@@ -14,6 +14,7 @@ from config import ConfigError
 from engine import LLM, SamplingParams
 from engine.models.layers.linear import PackableLinear
 from kernels.cpu.quant_layout import quantize
+from tests.support.models import greedy_of
 
 PROMPTS = [[1, 15, 27, 99, 4, 8], [3, 200, 17], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
 MAX_TOKENS = 12
@@ -31,18 +32,7 @@ def _dequantized_greedy(folder: Path) -> list[list[int]]:
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 module.weight = nn.Parameter(quantize(module.weight).dequantize())
-    results = []
-    for ids in PROMPTS:
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=0,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        results.append(out[0, len(ids) :].tolist())
+    results = greedy_of(model, PROMPTS, MAX_TOKENS)
     assert not torch.equal(model.get_input_embeddings().weight, model.lm_head.weight)
     return results
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from tests.support.models import greedy_of
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -49,17 +51,4 @@ def peft_greedy(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    results = []
-    for ids in prompts:
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        results.append(out[0, len(ids) :].tolist())
-    return results
+    return greedy_of(model, prompts, max_new_tokens)

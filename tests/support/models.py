@@ -202,11 +202,18 @@ def hf_greedy(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    return greedy_of(model, prompts, max_new_tokens, device)
+
+
+def greedy_of(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
+    """A transformers model's greedy tokens, one prompt at a time (no padding), EOS ignored."""
     model.eval()
     results = []
     for ids in prompts:
-        out = model.generate(
-            torch.tensor([ids], device=device),
+        out = model.generate(  # type: ignore[operator]
+            input_ids=torch.tensor([ids], device=device),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
             do_sample=False,
             max_new_tokens=max_new_tokens,
