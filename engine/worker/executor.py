@@ -32,7 +32,7 @@ from engine.loading.model_spec import ModelSpec
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.worker.model_input import HostBatch
-from engine.worker.model_runner import ModelRunner, build_runner
+from engine.worker.model_runner import build_runner
 from engine.worker.tp_worker import (
     ALLOCATE_KV,
     FORGET_LORA,
@@ -56,18 +56,6 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone: no step can run any more."""
 
 
-def _read_lora(runner: ModelRunner, request: LoRARequest) -> None:
-    """Read and check an adapter on this process's rank (LoRALoadError if it cannot be
-    served), kept on the host for a slot."""
-    assert runner.lora is not None
-    runner.lora.read(request)
-
-
-def _forget_lora(runner: ModelRunner, request: LoRARequest) -> None:
-    if runner.lora is not None:
-        runner.lora.forget(request)
-
-
 class LocalExecutor:
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         self.runner = build_runner(config, spec, Shard())
@@ -87,13 +75,13 @@ class LocalExecutor:
         return self.runner.embed(batch)
 
     def read_lora(self, request: LoRARequest) -> None:
-        _read_lora(self.runner, request)
+        self.runner.read_lora(request)
 
     def load_lora(self, slot: int, request: LoRARequest) -> None:
         self.runner.load_lora(slot, request)
 
     def forget_lora(self, request: LoRARequest) -> None:
-        _forget_lora(self.runner, request)
+        self.runner.forget_lora(request)
 
     def check(self) -> None:
         pass
@@ -283,7 +271,7 @@ class TensorParallelExecutor:
     def read_lora(self, request: LoRARequest) -> None:
         """Every rank reads and keeps its slice now, when the adapter is added, so that a folder
         changed or removed later cannot fail one rank on first use."""
-        _read_lora(self.runner, request)  # first: a bad adapter raises before any worker
+        self.runner.read_lora(request)  # first: a bad adapter raises before any worker
         try:
             self._ask(lora_message(READ_LORA, request))
         except LoRALoadError:
@@ -295,7 +283,7 @@ class TensorParallelExecutor:
         self._ask(lora_message(LOAD_LORA, request, slot))
 
     def forget_lora(self, request: LoRARequest) -> None:
-        _forget_lora(self.runner, request)
+        self.runner.forget_lora(request)
         self._send(lora_message(FORGET_LORA, request))
 
     def embed(self, batch: HostBatch) -> torch.Tensor:

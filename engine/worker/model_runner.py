@@ -14,7 +14,6 @@ import torch
 
 from config import EngineConfig
 from engine.distributed.shard import Shard
-from engine.errors import ModelLoadError
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import ModelSpec
 from engine.lora.request import LoRARequest
@@ -135,11 +134,21 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
+    def read_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter for this rank (LoRALoadError if it cannot be served),
+        kept on the host for a slot."""
+        assert self.lora is not None, "read_lora() without --enable-lora"
+        self.lora.read(request)
+
     @torch.inference_mode()
     def load_lora(self, slot: int, request: LoRARequest) -> None:
         """Put an adapter into a slot, between steps (LoRALoadError if it cannot be served)."""
         assert self.lora is not None, "load_lora() without --enable-lora"
         self.lora.load(slot, request)
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        if self.lora is not None:
+            self.lora.forget(request)
 
     @torch.inference_mode()
     def embed(self, batch: HostBatch) -> torch.Tensor:
@@ -209,11 +218,8 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         log.info("CUDA graphs off: %s", off)
     lora = None
     if config.lora.enable_lora:
-        if not isinstance(model, DecoderModel) or spec.info.encoder or spec.info.experts:
-            raise ModelLoadError(
-                f"--enable-lora: {spec.architecture} is not supported (decoder models with "
-                "dense MLPs only)"
-            )
+        # Encoders, experts and pooling were refused with the flag named (model_spec.lora_unfit).
+        assert isinstance(model, DecoderModel), spec.architecture
         settings = config.lora
         lora = LoRASlots(
             model,

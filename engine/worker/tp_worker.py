@@ -55,10 +55,9 @@ def read_lora_message(values: torch.Tensor) -> tuple[int, LoRARequest]:
 def _run_lora(runner: ModelRunner, kind: int, slot: int, request: LoRARequest) -> str | None:
     """Read or load an adapter on this rank; a failure is answered, not raised, so that rank 0
     ends only that adapter's requests instead of the worker (and every request) dying."""
-    assert runner.lora is not None
     try:
         if kind == READ_LORA:
-            runner.lora.read(request)
+            runner.read_lora(request)
         else:
             runner.load_lora(slot, request)
     except LoRALoadError as exc:
@@ -109,8 +108,7 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
             elif values[0] in ANSWERED:
                 conn.send(_run_lora(runner, int(values[0]), *read_lora_message(values[1:])))
             elif values[0] == FORGET_LORA:
-                if runner.lora is not None:
-                    runner.lora.forget(read_lora_message(values[1:])[1])
+                runner.forget_lora(read_lora_message(values[1:])[1])
             else:
                 runner.execute(HostBatch.unpack(values[1:]))
     finally:
