@@ -143,6 +143,7 @@ class LLMEngine:
         except BaseException:
             self.executor.close()
             raise
+        max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.info = EngineInfo(
             model=config.model.model,
             model_path=str(self.model_path),
@@ -155,20 +156,17 @@ class LLMEngine:
             scheduling_policy=config.scheduler.scheduling_policy,
             pooler=spec.pooler,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            max_loras=max_loras,
         )
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
         self.kv = KVCacheManager(
             num_blocks, self.block_size, caching, slide, record_events=self.kv_events is not None
         )
-        lora = config.lora
-        self.loras = SlotAssignment(lora.max_loras) if lora.enable_lora else None
+        self.loras = SlotAssignment(max_loras) if max_loras is not None else None
         # Adapters unloaded while requests still ran under them: dropped when the last ends.
         self._unloading: set[LoRARequest] = set()
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv, lora.max_loras if lora.enable_lora else None
-        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_loras)
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
