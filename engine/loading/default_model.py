@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.loading.folder_once import write_once
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +60,17 @@ def default_embedding_model_dir() -> Path:
 def default_model_dir(cache_dir: Path) -> Path:
     """The converted default model's folder, converting it on first use."""
     target = Path(cache_dir) / DEFAULT_MODEL_NAME
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
-    source = gguf_path()
-    log.info("converting %s into %s (once)", source, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a sibling temporary folder and rename: a concurrent or interrupted run never
-    # sees a half-written model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
-    try:
-        _convert(source, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def convert(out: Path) -> None:
+        source = gguf_path()
+        log.info("converting %s into %s (once)", source, target)
+        _convert(source, out)
+
+    return write_once(target, _converted, convert)
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
 
 
 def _convert(gguf: Path, out: Path) -> None:

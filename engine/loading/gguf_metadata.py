@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.loading.folder_once import write_once
 from engine.loading.gguf_checkpoint import read_tensors
 
 log = logging.getLogger(__name__)
@@ -27,20 +25,9 @@ def metadata_dir(path: Path, cache_dir: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = Path(cache_dir) / f"gguf-{path.stem}-{key[:12]}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _write(path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(
+        target, lambda folder: (folder / "config.json").is_file(), lambda out: _write(path, out)
+    )
 
 
 def _write(path: Path, out: Path) -> None:
