@@ -1,0 +1,204 @@
+"""Weight-only quantized linear for the GPU (W4A16, W8A16): x [m, k] in bf16/fp16 times a weight
+stored as 4- or 8-bit integers with a float32 scale (and, optionally, a min) per output column
+and group of input dims, summed in float32.
+
+Layout (`pack`): the integers of a QuantizedWeight [n, k] packed along k into int32 words,
+8 nibbles (4-bit) or 4 bytes (8-bit) a word, stored [k / per_word, n] so that a warp's loads of
+one word row are contiguous along n; value i of a word sits in bits [bits*i, bits*(i+1)). 8-bit
+values are stored biased by 128 (so that every field is unsigned). Scales and mins are [groups, n]
+float32, contiguous along n for the same reason.
+
+Each program computes a [BLOCK_M, BLOCK_N] tile of the output, walking k in steps of BLOCK_K that
+lie inside one group: it de-quantizes the step's [BLOCK_K, BLOCK_N] weights in float32
+(q * scale + min, as QuantizedWeight.dequantize does), rounds them to x's dtype and multiplies
+on the tensor cores with a float32 accumulator.
+
+Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the dot of two bf16 tiles is
+wrong (numpy holds bf16 as raw 16-bit integers and multiplies those), so there the kernel widens
+both tiles to float32 first: a product of two bf16 or fp16 values is exact in float32, so that
+is the same sum as the tensor cores' bf16 x bf16 -> float32, up to the order of the adds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.cpu.quant_layout import QuantizedWeight
+from kernels.triton.launch import KernelLaunch
+
+TILE_K = (128, 64, 32, 16)  # BLOCK_K: the largest of these that divides the group
+
+
+@dataclass(frozen=True)
+class PackedQuantWeight:
+    """A QuantizedWeight in the Triton kernel's layout (module docstring)."""
+
+    words: torch.Tensor  # int32 [k / per_word, n]
+    scales: torch.Tensor  # float32 [groups, n]
+    mins: torch.Tensor | None  # float32 [groups, n]
+    bits: int
+    n: int
+    k: int
+
+    @property
+    def group(self) -> int:
+        return self.k // self.scales.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        mins = 0 if self.mins is None else self.mins.nbytes
+        return self.words.nbytes + self.scales.nbytes + mins
+
+    def to(self, device: torch.device | str) -> PackedQuantWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        return PackedQuantWeight(
+            self.words.to(device), self.scales.to(device), mins, self.bits, self.n, self.k
+        )
+
+
+def unfit(weight: QuantizedWeight) -> str | None:
+    """Why the kernel cannot take this weight, or None."""
+    if weight.group % 16:
+        return f"its groups of {weight.group} inputs are not a multiple of 16"
+    return None
+
+
+def pack(weight: QuantizedWeight) -> PackedQuantWeight:
+    why_not = unfit(weight)
+    if why_not is not None:
+        raise ValueError(f"a [{weight.q.shape[0]}, {weight.q.shape[1]}] weight: {why_not}")
+    n, k = weight.q.shape
+    bits = weight.bits
+    per_word = 32 // bits
+    values = weight.q.to(torch.int64) + (128 if bits == 8 else 0)
+    fields = values.t().reshape(k // per_word, per_word, n)  # [word row, field, column]
+    shifts = torch.arange(per_word, dtype=torch.int64).view(1, per_word, 1) * bits
+    words = (fields << shifts).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
+    mins = None if weight.mins is None else weight.mins.t().contiguous()
+    return PackedQuantWeight(words.contiguous(), weight.scales.t().contiguous(), mins, bits, n, k)
+
+
+@triton.jit
+def _quant_linear_kernel(
+    x_ptr,
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    BIAS_Q: tl.constexpr = 128 if BITS == 8 else 0
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_in = rm < M
+    n_in = rn < N
+    # The field of each k inside its word; the same for every step, as BLOCK_K % PER_WORD == 0.
+    shifts = ((rk % PER_WORD) * BITS)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_in[:, None], other=0.0)
+        words = tl.load(
+            words_ptr + (kk // PER_WORD)[:, None] * N + rn[None, :], mask=n_in[None, :], other=0
+        )
+        q = ((words >> shifts) & MASK) - BIAS_Q
+        group = k0 // GROUP
+        scales = tl.load(scales_ptr + group * N + rn, mask=n_in, other=0.0)
+        w = q.to(tl.float32) * scales[None, :]
+        if HAS_MINS:
+            w = w + tl.load(mins_ptr + group * N + rn, mask=n_in, other=0.0)[None, :]
+        w = w.to(x.dtype)
+        if DOT_F32:  # the interpreter (module docstring): the same products, exact in float32
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+
+
+def tiles(m: int, group: int) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, BLOCK_K: a decode step's few rows take the smallest M tile tl.dot allows
+    and narrower N tiles (more programs over the SMs); BLOCK_K stays inside one group."""
+    block_k = next(t for t in TILE_K if group % t == 0)
+    if m <= 16:
+        return 16, 64, block_k
+    if m <= 64:
+        return 64, 64, block_k
+    return 128, 128, min(block_k, 64)
+
+
+def quant_linear_launch(
+    x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None, out: torch.Tensor
+) -> KernelLaunch:
+    """The kernel's launch for x [m, k] (rows may be strided, columns contiguous) into out
+    [m, n]; also what the GPU compile test compiles."""
+    m, k = x.shape
+    assert k == weight.k and x.stride(1) == 1 and out.stride(1) == 1
+    block_m, block_n, block_k = tiles(m, weight.group)
+    dummy = weight.scales  # a pointer the kernel never reads (HAS_MINS / HAS_BIAS off)
+    return KernelLaunch(
+        kernel=_quant_linear_kernel,
+        grid=(triton.cdiv(m, block_m), triton.cdiv(weight.n, block_n)),
+        args={
+            "x_ptr": x,
+            "words_ptr": weight.words,
+            "scales_ptr": weight.scales,
+            "mins_ptr": dummy if weight.mins is None else weight.mins,
+            "bias_ptr": dummy if bias is None else bias,
+            "out_ptr": out,
+            "M": m,
+            "N": weight.n,
+            "K": k,
+            "stride_xm": x.stride(0),
+            "stride_om": out.stride(0),
+        },
+        constexprs={
+            "BITS": weight.bits,
+            "GROUP": weight.group,
+            "HAS_MINS": weight.mins is not None,
+            "HAS_BIAS": bias is not None,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "DOT_F32": os.environ.get("TRITON_INTERPRET") == "1",
+        },
+        options={"num_warps": 4, "num_stages": 3},
+    )
+
+
+def quant_linear(
+    x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., k] (bf16/fp16) @ the de-quantized weight.T (+ bias), in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.n, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        quant_linear_launch(rows, weight, bias, out).run()
+    return out.view(*x.shape[:-1], weight.n)
