@@ -135,7 +135,9 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         )
     quantization, gguf_file = resolve_quantization(config)
     if quantization is not None:
-        why_not = quantization_unfit(device, dtype, info, tp_size, config.model.batch_invariant)
+        why_not = quantization_unfit(
+            quantization, platform, info, tp_size, config.model.batch_invariant
+        )
         if why_not is not None:
             raise ConfigError(f"--quantization {quantization}: {why_not}")
         log.info("weights: %s (quantized at load)", quantization)
@@ -183,21 +185,43 @@ def resolve_quantization(config: EngineConfig) -> tuple[str | None, Path | None]
 
 
 def quantization_unfit(
-    device: str, dtype: torch.dtype, info: ArchitectureInfo, tp_size: int, batch_invariant: bool
+    quantization: str,
+    platform: Platform,
+    info: ArchitectureInfo,
+    tp_size: int,
+    batch_invariant: bool,
 ) -> str | None:
-    """Why weight quantization cannot run here, or None: its kernel is the CPU's, for the linears
-    of a decoder on one rank, with bfloat16 or float32 activations."""
-    if device != "cpu":
-        return f"it runs on the CPU, not {device}"
-    if dtype not in (torch.bfloat16, torch.float32):
-        return f"its kernel takes bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    """Why this weight quantization cannot run here, or None. On the CPU: int8 and gguf on
+    kernels/cpu/quant_linear, bfloat16 or float32 activations. On a GPU (kernels/gpu_quant):
+    fp8 through torch._scaled_mm (compute capability 8.9+), int8 and gguf through the Triton
+    W4A16/W8A16 kernel (8.0+), bfloat16 or float16 activations. Either: the linears of a decoder
+    on one rank."""
+    dtype_name = str(platform.dtype).removeprefix("torch.")
+    if platform.capability is None:
+        if quantization == "fp8":
+            return "it runs on a GPU (compute capability 8.9 or later), not the CPU"
+        if platform.dtype not in (torch.bfloat16, torch.float32):
+            return f"its kernel takes bfloat16 or float32, not {dtype_name}"
+    else:
+        major, minor = platform.capability
+        if platform.dtype not in (torch.bfloat16, torch.float16):
+            return f"its GPU kernels take bfloat16 or float16, not {dtype_name}"
+        if quantization == "fp8" and (major, minor) < (8, 9):
+            return f"FP8 matmuls need compute capability 8.9 or later, not {major}.{minor}"
+        if quantization != "fp8" and major < 8:
+            return f"its Triton kernel needs compute capability 8.0 or later, not {major}.{minor}"
+        if quantization != "fp8":
+            why_not = platform.importable("triton")
+            if why_not is not None:
+                return f"its GPU kernel is Triton's: {why_not}"
     if info.encoder:
         return "it is for decoder models"
     if tp_size > 1:
         return "it runs on one rank, not --tensor-parallel-size > 1"
     if batch_invariant:
         # Its kernel widens a tile of weights to bfloat16 first from a few rows on: the sums of
-        # a row then depend on how many rows share its step.
+        # a row then depend on how many rows share its step (on a GPU, the tiles depend on the
+        # rows too).
         return "not with --batch-invariant (its kernel's order depends on the batch's rows)"
     return None
 

@@ -24,6 +24,7 @@ from engine.pooling import pool
 from engine.worker.cpu import prepare_model
 from engine.worker.cpu.quantize import quantize_int8
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.gpu_quantize import quantize_for_gpu
 from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, build_backend
 from kernels.cpu.huge_pages import huge_page_zeros, transparent_huge_pages
@@ -200,7 +201,11 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
     model = load_model(spec, shard, torch.device(device))
     invariant = config.model.batch_invariant
     backend = build_backend(spec.attention_backend, rows_alone=invariant)
-    if spec.quantization == "int8":
+    if spec.quantization is not None and device.startswith("cuda"):
+        count = quantize_for_gpu(model, spec.quantization, torch.device(device))
+        if shard.rank == 0:
+            log.info("%d linear weights in their GPU form (%s)", count, spec.quantization)
+    elif spec.quantization == "int8":
         count = quantize_int8(model)
         if shard.rank == 0:
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)

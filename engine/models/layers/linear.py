@@ -29,6 +29,7 @@ from engine.models.layers.lora import LoRALayer
 from kernels.cpu import weight_only
 from kernels.cpu.packed_linear import linear
 from kernels.cpu.quant_layout import PackedWeight
+from kernels.gpu_quant.weights import GpuWeight, gpu_linear
 
 
 class CheckpointTensor(Protocol):
@@ -46,13 +47,16 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class PackableLinear(nn.Module):
     """A linear layer that runs on its prepacked CPU weight once the CPU path made one
-    (engine/worker/cpu/), or on its quantized weight (--quantization, a GGUF file)."""
+    (engine/worker/cpu/), or on its quantized weight (--quantization, a GGUF file): on the CPU
+    `quantized`, on a GPU `gpu_quantized` (engine/worker/gpu_quantize.py)."""
 
     packed: torch.Tensor | None = None
     packed_own: bool = False  # `packed` is in kernels/cpu/bf16_linear's layout (else oneDNN's)
     # The weight quantized (`weight` is then None) and the bias in float32, as the kernel reads it.
     quantized: PackedWeight | None = None
     quantized_bias: torch.Tensor | None = None
+    # The weight in a GPU quantized form (FP8, or packed for the Triton kernel); `weight` is None.
+    gpu_quantized: GpuWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -67,6 +71,8 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """x @ weight.T (+ bias) through whichever copy of the weight this layer keeps."""
+        if self.gpu_quantized is not None:
+            return gpu_linear(x, self.gpu_quantized, self.bias if with_bias else None)
         if self.quantized is not None:
             return weight_only.linear(x, self.quantized, self.quantized_bias if with_bias else None)
         return linear(

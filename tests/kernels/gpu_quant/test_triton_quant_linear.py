@@ -22,7 +22,8 @@ if importlib.util.find_spec("triton") is None:  # as in tests/kernels/attention
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from kernels.cpu.quant_layout import QuantizedWeight
-from kernels.triton.quant_linear import pack, quant_linear, unfit
+from kernels.triton.quant_layout import pack, unfit
+from kernels.triton.quant_linear import quant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative rounding of one value to the activations' type: half an ulp on a GPU (round to
