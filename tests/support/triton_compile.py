@@ -26,6 +26,8 @@ from triton.compiler import ASTSource, CompiledKernel
 
 from kernels.triton.launch import KernelLaunch
 from kernels.triton.paged_attention import paged_attention_launch
+from kernels.triton.quant_layout import PackedQuantWeight
+from kernels.triton.quant_linear import quant_linear_launch
 from kernels.triton.store_kv import store_kv_launch
 
 
@@ -48,6 +50,38 @@ MODELS = {
 
 
 @dataclass(frozen=True)
+class Linear:
+    """A linear layer's weight shape, [out_features, in_features]."""
+
+    name: str
+    n: int
+    k: int
+
+
+# Each model's down projection (its longest inputs): the shape the quantized linear's launches
+# are compiled at. n and k are runtime arguments (every linear's a multiple of 16, so Triton
+# specializes them alike): the compiled code depends on the rows, the format and the dtype.
+LINEARS = {
+    "SmolLM2-135M": Linear("down", 576, 1536),
+    "Llama-3.1-8B": Linear("down", 4096, 14336),
+}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A weight format of the quantized linear: bits, inputs a group (0: the whole row), mins."""
+
+    bits: int
+    group: int
+    mins: bool
+
+    @property
+    def key(self) -> str:
+        group = "row" if self.group == 0 else f"g{self.group}"
+        return f"int{self.bits}-{group}{'-mins' if self.mins else ''}"
+
+
+@dataclass(frozen=True)
 class Case:
     """One kernel at one shape for one target; `capability` is 80 for compute capability 8.0."""
 
@@ -59,9 +93,17 @@ class Case:
     # paged_attention's specialization for a layer with a sliding window and a softcap (Gemma 2's
     # 4096 and 50.0), which compiles code the plain one does not.
     window_and_softcap: bool = False
+    # quant_linear: the weight format and the rows of x, at LINEARS[model] (block_size unused).
+    quant: QuantFormat | None = None
+    rows: int = 0
 
     @property
     def key(self) -> str:
+        if self.quant is not None:
+            return (
+                f"{self.kernel}-{self.model}-{self.quant.key}-{self.dtype}"
+                f"-m{self.rows}-sm{self.capability}"
+            )
         variant = "-window-softcap" if self.window_and_softcap else ""
         return f"{self.kernel}{variant}-{self.model}-{self.dtype}-b{self.block_size}-sm{self.capability}"
 
@@ -163,9 +205,28 @@ def _qkv(model: Model, dtype: torch.dtype, tokens: int) -> tuple[torch.Tensor, .
     )
 
 
+def _quant_linear_launch(case: Case, dtype: torch.dtype) -> KernelLaunch:
+    assert case.quant is not None
+    linear = LINEARS[case.model]
+    n, k, bits = linear.n, linear.k, case.quant.bits
+    groups = k // (case.quant.group or k)
+    weight = PackedQuantWeight(
+        _meta(k * bits // 32, n, dtype=torch.int32),
+        _meta(groups, n, dtype=torch.float32),
+        _meta(groups, n, dtype=torch.float32) if case.quant.mins else None,
+        bits,
+        n,
+        k,
+    )
+    x = _meta(case.rows, k, dtype=dtype)
+    return quant_linear_launch(x, weight, None, _meta(case.rows, n, dtype=dtype))
+
+
 def launch_for(case: Case) -> KernelLaunch:
     """The launch the kernel's own launch code builds for this shape, from meta tensors."""
     model, dtype = MODELS[case.model], getattr(torch, case.dtype)
+    if case.kernel == "quant_linear":
+        return _quant_linear_launch(case, dtype)
     tokens, reqs = 96, 4
     q, k, v = _qkv(model, dtype, tokens)
     k_cache = _meta(64, case.block_size, model.kv_heads, model.head_dim, dtype=dtype)
@@ -261,7 +322,8 @@ def _main(request: Path, result: Path) -> None:
     compiled: dict[str, dict[str, object]] = {}
     errors: dict[str, str] = {}
     for raw in spec["cases"]:
-        case = Case(**raw)
+        quant = raw.pop("quant")
+        case = Case(**raw, quant=None if quant is None else QuantFormat(**quant))
         if problems[case.capability] is not None:
             continue
         started = time.perf_counter()

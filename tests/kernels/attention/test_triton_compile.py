@@ -8,7 +8,9 @@ models (64 and 128, as SmolLM2 and Llama 3 / Qwen / Mistral have; 256, the large
 are tested at), the default block size, and every block size --block-size allows at the
 default model's shape; and the attention kernel's specialization for a sliding window and a
 softcap at every model's shape in bfloat16: 93 compiles, about 45 s of CPU, spread over the
-cores in processes of their own. A target the toolchain here cannot build for at all is
+cores in processes of their own. Then the quantized linear (kernels/triton/quant_linear.py) on
+sm90 in the weight formats the default model and a 7B Llama are served in: 16 compiles more,
+about 17 s of CPU. A target the toolchain here cannot build for at all is
 skipped, saying why."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pydantic import ValidationError
 
 from config.engine_config import CacheConfig, DType
 from kernels.attention.registry import BY_NAME
-from tests.support.triton_compile import MODELS, Case, Outcome, compile_cases
+from tests.support.triton_compile import MODELS, Case, Outcome, QuantFormat, compile_cases
 
 DEFAULT_BLOCK_SIZE = BY_NAME["triton"].default_block_size
 
@@ -55,6 +57,17 @@ DTYPES = [name for name in typing.get_args(DType) if name != "auto"]
 BLOCK_SIZES = [2**i for i in range(16) if _allowed(2**i)]
 DEFAULT_MODEL = "SmolLM2-135M"
 
+GPTQ_4BIT = QuantFormat(4, 128, True)
+QUANT_FORMATS = {
+    DEFAULT_MODEL: [
+        QuantFormat(4, 32, True),
+        QuantFormat(4, 32, False),
+        QuantFormat(8, 32, False),
+        QuantFormat(8, 0, False),
+    ],
+    "Llama-3.1-8B": [GPTQ_4BIT, QuantFormat(4, 128, False), QuantFormat(8, 0, False)],
+}
+
 CASES = [
     *(
         Case(kernel, model, dtype, DEFAULT_BLOCK_SIZE, capability)
@@ -77,6 +90,19 @@ CASES = [
         for model in MODELS
         for capability in CAPABILITIES
     ),
+    # The quantized linear (W4A16/W8A16) on Hopper, where it is meant to run: the formats each
+    # model is served in (GGUF's Q4_1, Q4_0 and Q8_0 in groups of 32 and int8 per row for the
+    # default model; GPTQ/AWQ's groups of 128 and int8 per row for the 7B), at a decode step's
+    # rows and a long prefill's (the smallest and the largest tiles, which stage the most in
+    # shared memory); the middle tile and fp16 activations at the 7B's common 4-bit format.
+    *(
+        Case("quant_linear", model, "bfloat16", 0, 90, quant=fmt, rows=rows)
+        for model, formats in QUANT_FORMATS.items()
+        for fmt in formats
+        for rows in (1, 512)
+    ),
+    Case("quant_linear", "Llama-3.1-8B", "bfloat16", 0, 90, quant=GPTQ_4BIT, rows=48),
+    Case("quant_linear", "Llama-3.1-8B", "float16", 0, 90, quant=GPTQ_4BIT, rows=1),
 ]
 
 
@@ -99,7 +125,7 @@ def test_kernel_compiles_and_fits_shared_memory(case: Case, outcome: Outcome) ->
     assert case.key not in outcome.errors, outcome.errors.get(case.key)
     compiled = outcome.compiled[case.key]
     assert compiled.cubin_bytes > 0
-    if case.kernel == "paged_attention":  # its dot products stage tiles there: zero is a misread
+    if case.kernel in ("paged_attention", "quant_linear"):  # tl.dot stages tiles in shared memory
         assert compiled.shared > 0
     limit = SHARED_LIMIT[case.capability]
     assert compiled.shared <= limit, (
