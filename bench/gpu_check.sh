@@ -16,6 +16,9 @@
 #          memory-bandwidth floor) with any flags given to this script.
 #   serve  bench/gpu_serve.py: start-up time, then the HTTP server under a closed loop of
 #          GPU_CHECK_SERVE_CONCURRENCY (64) streams against the offline engine on the same workload.
+#   quant  bench/gpu_quantized.py (named only, not in the default stages): the quantized linears'
+#          kernels against float32 references, then the default model's greedy tokens and decode
+#          tok/s as bf16, fp8, gguf (W4A16) and int8 (W8A16) side by side: gpu_quantized.json.
 #
 # Everything lands in GPU_CHECK_OUT (default bench/out), so that a caller on another machine can
 # take it back: check.log (this script's whole output), tests.xml (pytest's report),
@@ -37,8 +40,10 @@ STAGES=${GPU_CHECK_STAGES:-tests bench serve}
 TESTS_S=${GPU_CHECK_TESTS_S:-240}
 BENCH_S=${GPU_CHECK_BENCH_S:-420}
 SERVE_S=${GPU_CHECK_SERVE_S:-240}
+QUANT_S=${GPU_CHECK_QUANT_S:-300}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
-GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_pooling.py tests/kernels/attention/test_triton_kernels.py)
+GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_pooling.py tests/kernels/attention/test_triton_kernels.py
+    tests/kernels/gpu_quant/test_triton_quant_linear.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.
@@ -157,6 +162,10 @@ run_serve() {
         --concurrency "${GPU_CHECK_SERVE_CONCURRENCY:-64}" ${GPU_CHECK_SERVE_ARGS:-}
 }
 
+run_quant() {
+    within "$QUANT_S" "$PYTHON" bench/gpu_quantized.py --out "$RESULTS"
+}
+
 run_stage cuda check_cuda
 if ((FAILED)); then
     print_summary
@@ -168,7 +177,8 @@ for stage in $STAGES; do
         tests) run_stage tests run_tests ;;
         bench) run_stage bench run_bench "$@" ;;
         serve) run_stage serve run_serve ;;
-        *) echo "unknown stage $stage (tests, bench, serve)" >&2; FAILED=1 ;;
+        quant) run_stage quant run_quant ;;
+        *) echo "unknown stage $stage (tests, bench, serve, quant)" >&2; FAILED=1 ;;
     esac
 done
 print_summary

@@ -8,7 +8,7 @@
   modules: every linear but the head gets its GPU form and drops its float copy, and
   `PackableLinear` then runs on it: fp8 through torch._scaled_mm (which runs on the CPU too),
   int8 through the Triton kernel (interpreted here), each equal to its kernel on the same
-  weight."""
+  weight; GGUF blocks as the GGUF loader leaves them reach the Triton layout unchanged."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ from config import ConfigError, EngineConfig
 from engine.distributed.shard import Shard
 from engine.loading import model_spec
 from engine.loading.model_loader import load_model
+from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear, ParallelLMHead
 from engine.worker.gpu_quantize import quantize_for_gpu
 from kernels.attention.platform import Platform, import_error
-from kernels.cpu.quant_layout import quantize
+from kernels.cpu.quant_layout import QuantizedWeight, quantize
+from kernels.cpu.quant_layout import pack as cpu_pack
 from kernels.gpu_quant.fp8 import Fp8Weight, fp8_linear
 from kernels.gpu_quant.fp8 import quantize_weight as quantize_fp8
 from kernels.triton.quant_layout import PackedQuantWeight, pack
@@ -128,3 +130,46 @@ def test_the_load_step_gives_every_linear_its_gpu_form(
 
         want = quant_linear(x, pack(quantize(weights[name])), None)
     assert torch.equal(got, want)
+
+
+def _fields(packed: PackedQuantWeight) -> torch.Tensor:
+    """The 4-bit integers of a packed weight, read back without the kernel: [n, k]."""
+    words = packed.words.to(torch.int64) & 0xFFFFFFFF  # [k / 8, n]
+    fields = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1)
+    return fields.reshape(packed.k, packed.n).t()
+
+
+def test_gguf_blocks_reach_the_gpu_form_unchanged(
+    llama_modules: tuple[model_spec.ModelSpec, dict[str, torch.Tensor]],
+) -> None:
+    """What the GGUF loader leaves (engine/loading/gguf_loader.py: each linear's Q4_1 blocks in
+    the CPU kernel's layout, no float weight, a tied head's blocks apart), converted as a CUDA
+    runner converts it: the integers, scales and mins reach the Triton layout unchanged, and
+    the tied head's blocks are dropped for the embedding's de-quantized copy (the same weight)."""
+    spec, weights = llama_modules
+    model = load_model(spec, Shard(0, 1), torch.device("cpu"))
+    assert isinstance(model, DecoderModel)
+    gen = torch.Generator().manual_seed(3)
+    blocks = {}
+    for name, weight in weights.items():
+        if name == "lm_head":
+            continue
+        n, k = weight.shape
+        q = torch.randint(0, 16, (n, k), generator=gen).to(torch.int8)
+        scales, mins = torch.rand(n, k // 32, generator=gen), torch.randn(n, k // 32, generator=gen)
+        blocks[name] = QuantizedWeight(q, scales, mins, 4)
+        module = model.get_submodule(name)
+        assert isinstance(module, PackableLinear)
+        module.quantized = cpu_pack(blocks[name])
+        module.register_parameter("weight", None)
+    model.lm_head_quantized = cpu_pack(blocks["layers.0.mlp.down_proj"])
+    assert quantize_for_gpu(model, "gguf", torch.device("cpu")) == len(blocks)
+    assert model.lm_head_quantized is None
+    for name, want in blocks.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, PackableLinear)
+        form = module.gpu_quantized
+        assert module.quantized is None and isinstance(form, PackedQuantWeight), name
+        assert torch.equal(_fields(form), want.q.to(torch.int64)), name
+        assert form.mins is not None and torch.equal(form.mins, want.mins.t()), name
+        assert torch.equal(form.scales, want.scales.t()), name
