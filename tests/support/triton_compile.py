@@ -27,7 +27,7 @@ from triton.compiler import ASTSource, CompiledKernel
 from kernels.triton.launch import KernelLaunch
 from kernels.triton.paged_attention import paged_attention_launch
 from kernels.triton.quant_layout import PackedQuantWeight
-from kernels.triton.quant_linear import quant_linear_launch
+from kernels.triton.quant_linear import quant_linear_launch, quant_linear_output
 from kernels.triton.store_kv import store_kv_launch
 
 
@@ -219,7 +219,7 @@ def _quant_linear_launch(case: Case, dtype: torch.dtype) -> KernelLaunch:
         k,
     )
     x = _meta(case.rows, k, dtype=dtype)
-    return quant_linear_launch(x, weight, None, _meta(case.rows, n, dtype=dtype))
+    return quant_linear_launch(x, weight, None, quant_linear_output(x, weight))
 
 
 def launch_for(case: Case) -> KernelLaunch:

@@ -2,6 +2,7 @@
 on the CPU, against QuantizedWeight.dequantize (float32): groups of 32 and 128, with and without
 mins, 4 and 8 bits, bf16 and fp16 activations, a bias, rows that do not fill a tile.
 
+Decode rows split k over several programs (`split_k`), prefill rows do not: both are run.
 Two checks each: with powers-of-two scales and mins and one-hot activations every output is
 one weight value (plus the bias), exact in bf16/fp16, so the kernel's output must equal the
 reference bit for bit; with random values the difference must stay inside the rounding bound
@@ -22,6 +23,7 @@ if importlib.util.find_spec("triton") is None:  # as in tests/kernels/attention
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from kernels.cpu.quant_layout import QuantizedWeight
+from kernels.triton import quant_linear as quant_linear_module
 from kernels.triton.quant_layout import pack, unfit
 from kernels.triton.quant_linear import quant_linear
 
@@ -100,6 +102,24 @@ def test_random_values_stay_inside_the_rounding_bound(
     assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
     # The bound is not loose enough to hide a wrong weight: a column's error is far below it.
     assert error.max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize(("target", "split"), [(3, 3), (1, 1)])
+def test_a_decode_step_splits_k_unevenly_or_not_at_all(
+    monkeypatch: pytest.MonkeyPatch, target: int, split: int
+) -> None:
+    """Decode rows split the k steps over programs (8 steps over 3: 3, 3 and 2) and add the
+    partial sums after; the same values as one program walking them all."""
+    monkeypatch.setattr(quant_linear_module, "TARGET_PROGRAMS", target)
+    weight = _weight(48, 256, 32, 4, True, exact=False, seed=11)
+    assert quant_linear_module.split_k(2, 48, 256, 32) == split
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    w = weight.dequantize()
+    want = x.float() @ w.t() + bias.float()
+    got = quant_linear(x.to(DEVICE), pack(weight).to(DEVICE), bias.to(DEVICE)).cpu().float()
+    bound = _bound(x, w, want, torch.bfloat16)
+    assert ((got - want).abs() <= bound).all()
 
 
 def test_packing_puts_each_value_in_its_field() -> None:
