@@ -83,13 +83,19 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scales = quantize_activations(rows, weight.activations)
     n = weight.q.shape[0]
+    w_t = weight.q.t()  # [k, n], column-major: the layout _scaled_mm wants its second operand in
     if x_scales.numel() == 1 and weight.scales.numel() == 1:
-        a_scale, b_scale = x_scales.reshape(()), weight.scales.reshape(())
-    else:  # row-wise scaling (sm90 on a GPU): both scales as a column and a row
+        scalar = (x_scales.reshape(()), weight.scales.reshape(()))
+        out = torch._scaled_mm(xq, w_t, scale_a=scalar[0], scale_b=scalar[1], out_dtype=x.dtype)
+    else:
         a_scale = x_scales.expand(rows.shape[0], 1).contiguous()
         b_scale = weight.scales.reshape(1, -1).expand(1, n).contiguous()
-    # The weight as _scaled_mm wants its second operand: [k, n], column-major.
-    out = torch._scaled_mm(xq, weight.q.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=x.dtype)
+        if x.dtype == torch.bfloat16:  # row-wise scaling (sm89/sm90 CUTLASS): bf16 out only
+            out = torch._scaled_mm(xq, w_t, scale_a=a_scale, scale_b=b_scale, out_dtype=x.dtype)
+        else:  # the same float32 sums, scaled after: what row-wise scaling does inside
+            one = torch.ones((), dtype=torch.float32, device=x.device)
+            sums = torch._scaled_mm(xq, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            out = (sums * a_scale * b_scale).to(x.dtype)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.view(*x.shape[:-1], n)

@@ -57,8 +57,8 @@ def test_activation_scales_per_token_or_tensor(scheme: str) -> None:
 @pytest.mark.parametrize(
     ("granularity", "scheme", "dtype"),
     [
-        ("channel", "token", torch.bfloat16),
-        ("channel", "token", torch.float16),
+        ("channel", "token", torch.bfloat16),  # row-wise scales inside _scaled_mm
+        ("channel", "token", torch.float16),  # float32 sums, scaled after (row-wise is bf16 only)
         ("tensor", "tensor", torch.bfloat16),  # _scaled_mm's scalar scales
         ("tensor", "token", torch.float32),
     ],
