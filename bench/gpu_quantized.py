@@ -111,14 +111,19 @@ def kernel_checks(device: str = "cuda") -> list[dict[str, object]]:
     return rows_out
 
 
-def engine(quantization: str | None, batch: int) -> LLM:
+def engine(quantization: str | None, batch: int, device: str) -> LLM:
     return LLM(
         None,
         dtype="bfloat16",
+        device=device,
         quantization=quantization,
         max_model_len=512,
         max_num_seqs=max(batch, len(PROMPTS)),
         enable_prefix_caching=False,
+        # A pool for the largest batch at the longest length, not --gpu-memory-utilization's
+        # share: four engines start one after another in this process.
+        block_size=16,
+        num_kv_blocks=max(batch, len(PROMPTS)) * (512 // 16) + 8,
     )
 
 
@@ -135,6 +140,11 @@ def gpu_weight_mib(llm: LLM) -> float:
     return sum(t.untyped_storage().nbytes() for t in tensors) / 2**20
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def decode_tok_s(llm: LLM, batch: int, steps: int, seed: int) -> float:
     eng = llm.engine
     rng = random.Random(seed)
@@ -145,11 +155,11 @@ def decode_tok_s(llm: LLM, batch: int, steps: int, seed: int) -> float:
     first: set[str] = set()
     while len(first) < batch:
         first |= {o.request_id for o in eng.step()}
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - started
     while eng.has_unfinished_requests():
         eng.step()
@@ -162,15 +172,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--steps", type=int, default=32)
+    # A dry run of the script's flow on a CPU (fp8 is refused there, kernels skipped).
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, object] = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    kernels = kernel_checks()
+    kernels = kernel_checks() if args.device == "cuda" else []
     result["kernels"] = kernels
     failed = [r for r in kernels if not r["ok"]]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -178,7 +190,7 @@ def main() -> None:
     formats: dict[str, dict[str, object]] = {}
     for name, quantization in FORMATS.items():
         try:
-            llm = engine(quantization, max(batches))
+            llm = engine(quantization, max(batches), args.device)
         except Exception as exc:  # noqa: BLE001 - reported, and the other formats still run
             formats[name] = {"error": f"{type(exc).__name__}: {exc}"}
             failed.append(formats[name])
@@ -196,7 +208,8 @@ def main() -> None:
                 "decode_tok_s": speed,
                 "text_0": text,  # the first prompt's continuation: does it still read as text
             }
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     for name, toks in tokens.items():
         base = tokens.get("bf16")
         if base is None:
