@@ -24,8 +24,9 @@ from config.kv_events_config import KVEventsConfig, parse_kv_events_config
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 # vLLM's --quantization names that pagedserve serves (int8: its own, of a bf16/float32 checkpoint;
-# fp8: vLLM's, a bf16/fp16 checkpoint quantized at load, on a GPU).
-Quantization = Literal["int8", "gguf", "fp8"]
+# compressed-tensors, gptq, awq name a checkpoint's own format, which is also detected; fp8: an
+# FP8 checkpoint's, or as vLLM's, a bf16/fp16 checkpoint quantized at load on a GPU).
+Quantization = Literal["int8", "gguf", "compressed-tensors", "gptq", "awq", "fp8"]
 
 
 class ConfigError(ValueError):
@@ -97,8 +98,10 @@ class ModelConfig(_Strict):
         description="weight quantization (int8: every linear weight quantized at load to int8 with a "
         "float32 scale per output row; gguf: a .gguf file's Q8_0/Q4_0/Q4_1 blocks as they are, the "
         "default model's own file when no model is named; a .gguf model is gguf without the flag; "
-        "fp8, on a GPU only: weights quantized at load to float8_e4m3fn with a scale per output "
-        "channel, activations per token; default: the checkpoint's weights)",
+        "compressed-tensors, gptq, awq, fp8: a checkpoint's own quantized format, detected from its "
+        "quantization_config without the flag; fp8 of a bf16/fp16 checkpoint, on a GPU only: "
+        "weights quantized at load to float8_e4m3fn with a scale per output channel, activations "
+        "per token; default: the checkpoint's weights)",
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",

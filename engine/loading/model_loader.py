@@ -59,6 +59,19 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
         log.info(
             "GGUF tensors read as stored: %s", ", ".join(f"{n} {t}" for t, n in counts.items())
         )
+    elif spec.linear_format is not None:
+        from engine.loading.quantized_checkpoint import load_quantized_checkpoint
+        from engine.models.base import DecoderModel
+
+        if not isinstance(model, DecoderModel):
+            raise ModelLoadError(f"{spec.path}: quantized checkpoints are read for decoder models")
+        counts = load_quantized_checkpoint(model, spec.path, spec.linear_format)
+        log.info(
+            "%s: %d linear weights read as integers, %d de-quantized once at load (FP8)",
+            spec.linear_format.method,
+            counts["quantized"],
+            counts["dequantized"],
+        )
     else:
         model.load_weights(iter_safetensors(spec.path))
     where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""

@@ -19,6 +19,8 @@ from engine.errors import ModelLoadError
 from engine.loading.default_model import gguf_path
 from engine.loading.gguf_metadata import is_gguf
 from engine.loading.hub import tokenizer_path
+from engine.loading.linear_format import LinearFormat
+from engine.loading.quantized_checkpoint import declared_quantization, flag_agrees, resolve_format
 from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 from engine.models.interface import ArchitectureInfo
 from engine.models.registry import describe, resolve_architecture
@@ -46,6 +48,8 @@ class ModelSpec:
     pooler: PoolerSpec | None = None
     quantization: str | None = None  # --quantization (gguf: also a .gguf model)
     gguf_file: Path | None = None  # the weights, read from their blocks (--quantization gguf)
+    # A checkpoint's own quantized format (compressed-tensors, GPTQ, AWQ), from its config.json.
+    linear_format: LinearFormat | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -134,13 +138,19 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
             "batch-invariant: every row in a fixed order (linears and attention); prefill is slower"
         )
     quantization, gguf_file = resolve_quantization(config)
+    linear_format = None
+    if gguf_file is None:
+        quantization, linear_format = resolve_checkpoint_quantization(quantization, path, hf_config)
     if quantization is not None:
         why_not = quantization_unfit(
             quantization, platform, info, tp_size, config.model.batch_invariant
         )
         if why_not is not None:
             raise ConfigError(f"--quantization {quantization}: {why_not}")
-        log.info("weights: %s (quantized at load)", quantization)
+        if linear_format is not None:
+            log.info("weights: %s, read as stored", linear_format.describe())
+        else:
+            log.info("weights: %s (quantized at load)", quantization)
     if config.lora.enable_lora:
         why_not = lora_unfit(info, runner, quantization, config.model.batch_invariant)
         if why_not is not None:
@@ -160,6 +170,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         pooler=pooler,
         quantization=quantization,
         gguf_file=gguf_file,
+        linear_format=linear_format,
     )
 
 
@@ -182,6 +193,29 @@ def resolve_quantization(config: EngineConfig) -> tuple[str | None, Path | None]
             )
         return "gguf", gguf_path()
     return named, None
+
+
+def resolve_checkpoint_quantization(
+    named: str | None, path: Path, hf_config: PretrainedConfig
+) -> tuple[str | None, LinearFormat | None]:
+    """A checkpoint whose config.json declares its quantization is served in that format, flag
+    or not; a flag that names another one (or int8 of it) is a ConfigError naming both. fp8 of
+    a plain checkpoint is vLLM's: quantized at load (on a GPU, see quantization_unfit)."""
+    declared = declared_quantization(hf_config)
+    if declared is None:
+        if named in ("compressed-tensors", "gptq", "awq"):
+            raise ConfigError(
+                f"--quantization {named}: {path / 'config.json'} has no quantization_config; "
+                "this flag serves a checkpoint saved in that format"
+            )
+        return named, None
+    fmt = resolve_format(declared, path)
+    if named is not None and not flag_agrees(named, fmt):
+        raise ConfigError(
+            f"--quantization {named} contradicts the checkpoint: {path / 'config.json'} says "
+            f"quant_method {fmt.method} ({fmt.describe()}); leave the flag out to serve it"
+        )
+    return fmt.method, fmt
 
 
 def quantization_unfit(

@@ -1,0 +1,174 @@
+"""A Hugging Face checkpoint whose config.json has a `quantization_config` (compressed-tensors,
+GPTQ, AWQ): its format detected, and its quantized linear weights read straight into the
+quantized kernel's layout (kernels/cpu/quant_layout), the fused q/k/v and gate/up rows joined;
+the rest (norms, embeddings, layers the config leaves dense, FP8 weights de-quantized once) as
+plain tensors through the model's own loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from config import ConfigError
+from engine.errors import ModelLoadError
+from engine.loading.compressed_tensors import CompressedTensorsFormat, parse_compressed_tensors
+from engine.loading.gguf_loader import join_rows
+from engine.loading.gptq_awq import parse_gptq_awq
+from engine.loading.hub import WEIGHT_INDEX, index_shards
+from engine.loading.linear_format import LinearFormat
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import CheckpointTensor, ColumnParallelLinear, PackableLinear
+from kernels.cpu.quant_layout import QuantizedWeight, pack
+
+# quant_method -> the --quantization names that agree with it.
+METHODS = {"compressed-tensors": ("compressed-tensors",), "gptq": ("gptq",), "awq": ("awq",)}
+
+
+def declared_quantization(hf_config: PretrainedConfig) -> dict[str, Any] | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    return config if isinstance(config, dict) else dict(config.to_dict())
+
+
+def resolve_format(config: dict[str, Any], path: Path) -> LinearFormat:
+    """The checkpoint's format, or a ConfigError naming what in its config cannot be served."""
+    where = f"{path / 'config.json'}"
+    method = config.get("quant_method")
+    if method == "compressed-tensors":
+        return parse_compressed_tensors(config, where)
+    if method in ("gptq", "awq"):
+        return parse_gptq_awq(config, where)
+    raise ConfigError(
+        f"{where}: quantization_config.quant_method is {method!r}; pagedserve serves "
+        f"{', '.join(METHODS)} checkpoints"
+    )
+
+
+def flag_agrees(named: str, fmt: LinearFormat) -> bool:
+    """--quantization `named` names this checkpoint's format (fp8: compressed-tensors' FP8)."""
+    if named == "fp8":
+        return isinstance(fmt, CompressedTensorsFormat) and fmt.float_weights
+    return named in METHODS[fmt.method]
+
+
+class _Checkpoint:
+    """The checkpoint's tensor names, file by file, read on demand."""
+
+    def __init__(self, path: Path) -> None:
+        index = path / WEIGHT_INDEX
+        names = (
+            index_shards(index)
+            if index.is_file()
+            else sorted(p.name for p in path.glob("*.safetensors"))
+        )
+        if not names:
+            raise ModelLoadError(f"no safetensors weights in {path}")
+        self.files = {name: safe_open(str(path / name), framework="pt") for name in names}
+        self.where = {key: name for name, f in self.files.items() for key in f.keys()}  # noqa: SIM118
+
+    def slice(self, key: str) -> CheckpointTensor:
+        return self.files[self.where[key]].get_slice(key)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise ModelLoadError(f"{key}: no such tensor in the checkpoint")
+        return self.files[self.where[key]].get_tensor(key)
+
+
+def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat) -> dict[str, int]:
+    """Fill `model` from the checkpoint at `path`; counts of linear weights read as integers
+    (`quantized`) and de-quantized at load (`dequantized`)."""
+    ckpt = _Checkpoint(path)
+    layers: dict[str, set[str]] = {}
+    for key in ckpt.where:
+        prefix, _, name = key.rpartition(".")
+        layers.setdefault(prefix, set()).add(name)
+    quantized = {p for p, names in layers.items() if fmt.stores_quantized(p, names)}
+    _refuse_dense(model, layers, fmt, path)
+    parts: dict[str, dict[str | None, QuantizedWeight]] = {}
+    dense: list[tuple[str, torch.Tensor]] = []
+    for prefix in sorted(quantized):
+        target = model._locate(f"{prefix}.weight")
+        module = None if target is None else model.get_submodule(target[0].rpartition(".")[0])
+        if not isinstance(module, PackableLinear):
+            raise ModelLoadError(
+                f"{path}: {prefix} is stored quantized, but pagedserve reads quantized weights "
+                "only for linear layers"
+            )
+        assert target is not None
+
+        def tensor(name: str, prefix: str = prefix) -> torch.Tensor:
+            key = f"{prefix}.{name}"
+            if key not in ckpt.where:
+                raise ModelLoadError(f"{path}: no tensor {key} (its layer is {fmt.method})")
+            return ckpt.tensor(key)
+
+        try:
+            weight = fmt.read(prefix, tensor)
+        except ModelLoadError as exc:
+            message = str(exc)
+            raise ModelLoadError(
+                message if message.startswith(str(path)) else f"{path}: {message}"
+            ) from exc
+        if isinstance(weight, torch.Tensor):
+            dense.append((f"{prefix}.weight", weight))
+        else:
+            parts.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
+    for module_name, found in parts.items():
+        module = model.get_submodule(module_name)
+        assert isinstance(module, PackableLinear) and module.weight is not None
+        if None in found:  # a checkpoint tensor that already fuses every part (Phi-3's qkv)
+            names: list[str | None] = [None]
+        else:
+            names = module.parts("weight") if isinstance(module, ColumnParallelLinear) else [None]
+        missing = [p for p in names if p not in found]
+        if missing:
+            raise ModelLoadError(f"{path}: {module_name} has no quantized tensor for {missing}")
+        joined = join_rows([found[p] for p in names], module_name)
+        if tuple(joined.q.shape) != tuple(module.weight.shape):
+            raise ModelLoadError(
+                f"{path}: {module_name} is {tuple(joined.q.shape)} in the checkpoint, the "
+                f"config says {tuple(module.weight.shape)}"
+            )
+        module.quantized = pack(joined)
+        module.register_parameter("weight", None)
+    model.load_weights([*_plain(ckpt, quantized), *dense])
+    for module in model.modules():
+        quantized_layer = isinstance(module, PackableLinear) and module.quantized is not None
+        if quantized_layer and isinstance(module.bias, torch.Tensor):
+            module.quantized_bias = module.bias.detach().to(torch.float32).contiguous()
+    count = sum(len(found) for found in parts.values())
+    return {"quantized": count, "dequantized": len(dense)}
+
+
+def _refuse_dense(
+    model: DecoderModel, layers: dict[str, set[str]], fmt: LinearFormat, path: Path
+) -> None:
+    """A dense weight where the config says the linear is quantized: its quantized tensors
+    (scales) are missing, or the config lies."""
+    for prefix, names in layers.items():
+        if "weight" not in names or fmt.stores_quantized(prefix, names):
+            continue
+        if not fmt.expects_quantized(prefix):
+            continue
+        target = model._locate(f"{prefix}.weight")
+        module = None if target is None else model.get_submodule(target[0].rpartition(".")[0])
+        if isinstance(module, PackableLinear):
+            raise ModelLoadError(
+                f"{path}: tensor {prefix}.weight is dense, but the config quantizes {prefix} "
+                f"({fmt.method}): its quantized tensors (scales) are missing"
+            )
+
+
+def _plain(ckpt: _Checkpoint, quantized: set[str]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The checkpoint's other tensors, lazily (a quantized layer's bias among them)."""
+    for key in ckpt.where:
+        prefix, _, name = key.rpartition(".")
+        if prefix not in quantized or name == "bias":
+            yield key, ckpt.slice(key)
