@@ -145,7 +145,7 @@ def w4_copy(w4_folder: Path, tmp_path: Path) -> Path:
 
 def _load(folder: Path, **flags: object) -> None:
     """Start-up as far as the weights: the spec resolved, the model loaded."""
-    config = EngineConfig.from_kwargs(model=str(folder), **ENGINE, **flags)
+    config = EngineConfig.from_kwargs(model=str(folder), **{**ENGINE, **flags})
     load_model(resolve_model_spec(config), Shard(0, 1), torch.device("cpu"))
 
 
@@ -246,3 +246,15 @@ def test_a_dense_weight_where_the_config_quantizes_is_refused(w4_copy: Path, sou
     _rewrite(w4_copy, densify)
     with pytest.raises(ModelLoadError, match=rf"tensor {key}\.weight is dense"):
         _load(w4_copy)
+
+
+def test_the_fp8_flag_names_an_fp8_checkpoint(sources, tmp_path: Path) -> None:
+    folder = compress(sources["llama"], tmp_path / "fp8", "FP8_DYNAMIC", "float-quantized")
+    _load(folder, quantization="fp8")
+
+
+def test_the_quantized_kernels_limits_apply(w4_folder: Path) -> None:
+    with pytest.raises(
+        ConfigError, match="--quantization compressed-tensors: not with --batch-invariant"
+    ):
+        _load(w4_folder, dtype="bfloat16", batch_invariant=True)
