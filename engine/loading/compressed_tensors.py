@@ -75,12 +75,11 @@ class CompressedTensorsFormat:
             + ("" if s.symmetric else " asymmetric")
             for s in self.schemes
         ]
-        dense = (
-            "; FP8 weights de-quantized once at load"
-            if any(s.type == "float" for s in self.schemes)
-            else ""
-        )
-        return f"compressed-tensors ({', '.join(parts)}){dense}"
+        how = "integers read as stored"
+        if any(s.type == "float" for s in self.schemes):
+            # The kernel has no FP8 path: say where the memory and speed went.
+            how = "FP8 weights de-quantized once at load to the model's dtype (no FP8 kernel)"
+        return f"compressed-tensors ({', '.join(parts)}): {how}"
 
     def scheme_of(self, prefix: str) -> WeightScheme | None:
         if any(_matches(t, prefix) for t in self.ignore):

@@ -40,7 +40,7 @@ class IntGroupFormat:
 
     def describe(self) -> str:
         group = "per row" if self.group_size == -1 else f"groups of {self.group_size}"
-        return f"{self.method} int{self.bits}, {group}"
+        return f"{self.method} int{self.bits}, {group}: integers read as stored"
 
     def stores_quantized(self, prefix: str, names: set[str]) -> bool:
         return "qweight" in names

@@ -148,7 +148,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         if why_not is not None:
             raise ConfigError(f"--quantization {quantization}: {why_not}")
         if linear_format is not None:
-            log.info("weights: %s, read as stored", linear_format.describe())
+            log.info("weights: %s", linear_format.describe())
         else:
             log.info("weights: %s (quantized at load)", quantization)
     if config.lora.enable_lora:
