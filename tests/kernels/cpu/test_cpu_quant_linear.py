@@ -1,6 +1,7 @@
 """The weight-only quantized linear (kernels/cpu/quant_linear.cpp) against a float32 matmul of
 the de-quantized weight: int8 per-channel and in GGUF Q8_0-sized groups of 32, 4-bit with mins
-(Q4_1) and without, 8-bit with mins (a fused layer joining 8- and 4-bit parts); decode and
+(Q4_1, Q4_K) and without, 8-bit with mins (Q5_K, or a fused layer joining 8- and 4-bit parts),
+groups of 16 (Q6_K, and a fused layer joining it to Q4_K) with and without mins; decode and
 prefill row counts, output sizes off its 32-column blocks, odd group counts, with and without a
 bias, bf16 and float32 activations, through the vector code and the portable loop; the layout
 round trip; and what it refuses."""
@@ -26,9 +27,34 @@ needs_kernel = pytest.mark.skipif(quant_linear is None, reason="quant_linear not
 # Decode steps, one past the register tiles (4 and 8), and prefill-sized ones across row blocks.
 ROW_COUNTS = [0, 1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 300]
 # (out, in): a column count one past a block and one short of one, a single odd group count
-# (96 / 32 = 3), and the default model's MLP shape.
-SHAPES = [(64, 64), (33, 96), (17, 64), (31, 32), (576, 1536)]
-FORMATS = ["int8", "q8_0", "q4_1", "q4", "8-bit+mins"]
+# (96 / 32 = 3, 48 / 16 = 3), and the default model's MLP shape.
+SHAPES = [(64, 64), (33, 96), (17, 64), (31, 32), (31, 48), (576, 1536)]
+FORMATS = ["int8", "q8_0", "q4_1", "q4", "8-bit+mins", "q6_k", "8-bit+mins/16", "4-bit+mins/16"]
+# Random integers: format -> (bits, lowest, highest, group, with mins). q6_k: GGUF's Q6_K (q - 32,
+# groups of 16); 8-bit+mins: Q5_K, Q5_1, or a fused layer joining 8- and 4-bit parts;
+# 8-bit+mins/16: a fused layer joining Q4_K (or Q5_K) and Q6_K parts.
+RANDOM_FORMATS = {
+    "q4_1": (4, 0, 15, 32, True),
+    "q4": (4, 0, 15, 32, False),
+    "8-bit+mins": (8, -127, 127, 32, True),
+    "q6_k": (8, -32, 31, 16, False),
+    "8-bit+mins/16": (8, -32, 31, 16, True),
+    "4-bit+mins/16": (4, 0, 15, 16, True),
+}
+
+
+def _group(fmt: str) -> int:
+    return {"int8": 2, "q8_0": 32}.get(fmt) or RANDOM_FORMATS[fmt][3]
+
+
+# Every format on every shape its groups divide; the large shape for the first formats only
+# (the small ones already cross the row tiles and column blocks).
+CASES = [
+    (fmt, n, k)
+    for fmt in FORMATS
+    for n, k in SHAPES
+    if k % _group(fmt) == 0 and (n < 500 or fmt in FORMATS[:5])
+]
 
 
 def _weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -37,12 +63,11 @@ def _weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
         return quant_layout.quantize(
             torch.randn(n, k, generator=gen), None if fmt == "int8" else 32
         )
-    high = 16 if fmt.startswith("q4") else 127
-    low = 0 if fmt.startswith("q4") else -127
-    q = torch.randint(low, high, (n, k), generator=gen).to(torch.int8)
-    scales = torch.rand(n, k // 32, generator=gen) * 0.2
-    mins = None if fmt == "q4" else -torch.rand(n, k // 32, generator=gen)
-    return QuantizedWeight(q, scales, mins, bits=4 if fmt.startswith("q4") else 8)
+    bits, low, high, group, with_mins = RANDOM_FORMATS[fmt]
+    q = torch.randint(low, high + 1, (n, k), generator=gen).to(torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.2
+    mins = -torch.rand(n, k // group, generator=gen) if with_mins else None
+    return QuantizedWeight(q, scales, mins, bits=bits)
 
 
 def test_quantize_rounds_to_nearest_within_half_a_step() -> None:
@@ -84,14 +109,11 @@ def test_weights_that_do_not_fit_their_scales_are_refused() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("out_features, in_features", SHAPES)
+@pytest.mark.parametrize("fmt, out_features, in_features", CASES)
 def test_every_row_count_against_the_dequantized_float32_matmul(
     dtype: torch.dtype, fmt: str, out_features: int, in_features: int
 ) -> None:
     assert quant_linear is not None
-    if fmt != "int8" and in_features % 32:
-        pytest.skip("blocks of 32")  # pragma: no cover - every shape here is whole blocks
     weight = _weight(fmt, out_features, in_features, seed=out_features + in_features)
     packed = quant_layout.pack(weight)
     reference = weight.dequantize()
@@ -125,9 +147,10 @@ def test_every_row_count_against_the_dequantized_float32_matmul(
 
 
 @needs_kernel
-def test_the_kernel_and_the_torch_fallback_agree() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernel_and_the_torch_fallback_agree(fmt: str) -> None:
     assert quant_linear is not None
-    packed = quant_layout.pack(_weight("q4_1", 100, 128, seed=3))
+    packed = quant_layout.pack(_weight(fmt, 100, 128, seed=3))
     bias = torch.randn(100)
     x = torch.randn(5, 128)
     want = reference_linear(x, packed, bias)
