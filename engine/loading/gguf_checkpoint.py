@@ -1,6 +1,7 @@
 """A GGUF file's tensors as Hugging Face names and either plain tensors or quantized blocks
-(kernels/cpu/quant_layout), read with the `gguf` package: Q8_0, Q4_0 and Q4_1 blocks become
-the quantized kernel's integers, scales and mins directly, never bf16. Llama-architecture files
+(kernels/cpu/quant_layout), read with the `gguf` package: the block types of gguf_blocks (Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) become the quantized kernel's integers, scales and
+mins directly, never bf16. Llama-architecture files
 (llama.cpp's own name scheme; its converter permutes the q and k rows for its rotary layout,
 which is undone here on the integer rows, exactly). What cannot be read is a ModelLoadError
 naming the file and the tensor."""
@@ -16,11 +17,10 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.gguf_blocks import BLOCK_TYPES, decode
 from kernels.cpu.quant_layout import QuantizedWeight
 
-GROUP = 32  # values per block of each of the quantized types read here
-# type name -> (bytes per block, header float16 fields: d, or d and m)
-QUANTIZED = {"Q8_0": (34, 1), "Q4_0": (18, 1), "Q4_1": (20, 2)}
+QUANTIZED = BLOCK_TYPES
 DENSE = {"F32": np.float32, "F16": np.float16}
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -88,12 +88,12 @@ def read_tensors(path: Path) -> Iterator[GGUFTensor]:
             )
         elements = int(np.prod(tensor.shape))
         if kind in QUANTIZED:
-            block_bytes = QUANTIZED[kind][0]
-            expected = elements // GROUP * block_bytes
-            if elements % GROUP or int(tensor.shape[0]) % GROUP:
+            block = QUANTIZED[kind]
+            expected = elements // block.values * block.nbytes
+            if elements % block.values or int(tensor.shape[0]) % block.values:
                 raise ModelLoadError(
                     f"{path}: tensor {tensor.name} ({kind}) rows of {tensor.shape[0]} values are "
-                    f"not whole blocks of {GROUP}"
+                    f"not whole blocks of {block.values}"
                 )
         else:
             expected = elements * np.dtype(DENSE[kind]).itemsize
@@ -111,25 +111,8 @@ def dense(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def quantized(tensor: GGUFTensor) -> QuantizedWeight:
-    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as the kernel's integers, scales and mins."""
-    block_bytes, halves = QUANTIZED[tensor.type]
-    raw = np.ascontiguousarray(tensor.data)
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, block_bytes)
-    header = blocks[..., : 2 * halves].copy().view(np.float16).astype(np.float32)
-    scales = torch.from_numpy(np.ascontiguousarray(header[..., 0]))
-    payload = blocks[..., 2 * halves :]
-    if tensor.type == "Q8_0":
-        q = torch.from_numpy(payload.copy().view(np.int8).reshape(rows, -1))
-        return QuantizedWeight(q, scales)
-    # 4-bit: byte j of a block holds value j in its low nibble and value j + 16 in its high one.
-    nibbles = np.concatenate([payload & 0x0F, payload >> 4], axis=-1).astype(np.int8)
-    q = torch.from_numpy(nibbles.reshape(rows, -1))
-    if tensor.type == "Q4_1":
-        mins = torch.from_numpy(np.ascontiguousarray(header[..., 1]))
-    else:  # Q4_0: d * (q - 8)
-        mins = scales * -8.0
-    return QuantizedWeight(q, scales, mins, bits=4)
+    """A quantized tensor's blocks as the kernel's integers, scales and mins."""
+    return decode(tensor.type, tensor.data)
 
 
 def unpermute_rows(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
