@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.loading.gguf_blocks import BLOCK_TYPES, decode
+from engine.loading.gguf_reader import open_gguf
 from kernels.cpu.quant_layout import QuantizedWeight
 
 QUANTIZED = BLOCK_TYPES
@@ -65,14 +66,7 @@ def _architecture(reader: object, path: Path) -> str:
 
 def read_tensors(path: Path) -> Iterator[GGUFTensor]:
     """Every tensor the model uses, checked against the size its type and shape require."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # a truncated or corrupt header: numpy and struct errors alike
-        raise ModelLoadError(
-            f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})"
-        ) from exc
+    reader = open_gguf(path)
     arch = _architecture(reader, path)
     if arch != "llama":
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r}; pagedserve reads llama files")
