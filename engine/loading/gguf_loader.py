@@ -1,11 +1,14 @@
-"""A GGUF file's weights into a loaded-shape model: quantized linear weights (Q8_0, Q4_0,
-Q4_1) straight into the quantized kernel's layout, the fused q/k/v and gate/up rows joined
-block by block; the rest (norms, and the embedding, which the lookup reads whole) as plain
-tensors through the model's own loader. A tied head keeps the embedding's blocks."""
+"""A GGUF file's weights into a loaded-shape model: quantized linear weights (the block types
+of gguf_blocks, K-quants included) straight into the quantized kernel's layout, the fused
+q/k/v and gate/up rows joined block by block (their types may differ, as in Q4_K_M files); the
+rest (norms, and the embedding, which the lookup reads whole) as plain tensors through the
+model's own loader. A tied head keeps the embedding's blocks; an untied one is a linear like the
+others (often Q6_K in a K-quant file)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -28,17 +31,27 @@ log = logging.getLogger(__name__)
 
 
 def join_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
-    """Weights stacked by output rows (q, k, v into qkv); mixed 8- and 4-bit parts become
-    8-bit (a 4-bit value fits), with zero mins where a part has none."""
-    if len({p.group for p in parts}) != 1:
-        raise ModelLoadError(f"{what}: its parts have blocks of different sizes")
+    """Weights stacked by output rows (q, k, v into qkv). Parts of different block types meet
+    on common terms, each exactly: mixed 8- and 4-bit parts become 8-bit (a 4-bit value fits),
+    zero mins where a part has none, and different group sizes the largest size that divides
+    them all (a group of 32 is two groups of 16 with its scale and min repeated)."""
+    columns = {int(p.q.shape[1]) for p in parts}
+    if len(columns) != 1:
+        raise ModelLoadError(f"{what}: its parts have {sorted(columns)} input features")
+    group = math.gcd(*(p.group for p in parts))  # even, as every part's group is
     bits = parts[0].bits if len({p.bits for p in parts}) == 1 else 8
     with_mins = any(p.mins is not None for p in parts)
+
+    def split(values: torch.Tensor, part: QuantizedWeight) -> torch.Tensor:
+        return values.repeat_interleave(part.group // group, dim=1)
+
     mins = None
     if with_mins:
-        mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins for p in parts])
+        mins = torch.cat(
+            [split(torch.zeros_like(p.scales) if p.mins is None else p.mins, p) for p in parts]
+        )
     return QuantizedWeight(
-        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins, bits
+        torch.cat([p.q for p in parts]), torch.cat([split(p.scales, p) for p in parts]), mins, bits
     )
 
 
