@@ -1,11 +1,15 @@
 """Decode step time and tok/s of quantized weights against bf16, side by side in one process:
 the default model as bf16, as int8 (--quantization int8) and from its own GGUF file's Q4_1
-blocks (--quantization gguf); the 124.7M random Llama (bench/random_llama.py) as bf16 and int8.
+blocks (--quantization gguf); the 124.7M random Llama (bench/random_llama.py) as bf16 and int8,
+and, with --gguf, GGUF files of its shape in other block types (bench/random_gguf.py: random
+blocks, K-quants among them).
 Every engine is loaded, their runs alternated round by round so that a loaded machine slows them
 alike; and each one's resident memory, from a fresh process per format.
 
     python bench/random_llama.py                # once: ~/.cache/pagedserve/random-llama-124m
     python bench/quantized.py [--models default,random] [--batches 1,16] [--steps 24] [--rounds 5]
+    python bench/random_gguf.py q4_k_m          # once per mix: ~/.cache/pagedserve/random-llama-124m-MIX.gguf
+    python bench/quantized.py --models random --gguf q4_k_m=FILE,q4_1=FILE
 
 A round, per batch size B and format: B requests of --context random prompt tokens are
 prefilled, then --steps decode steps of all B are timed (the engine's own step: schedule, the
@@ -37,9 +41,14 @@ RANDOM_LLAMA = Path.home() / ".cache" / "pagedserve" / "random-llama-124m"
 FORMATS = {"bf16": None, "int8": "int8", "gguf": "gguf"}
 
 
-def formats(name: str) -> dict[str, str | None]:
-    """The random Llama has no GGUF file."""
-    return FORMATS if name == "default" else {f: q for f, q in FORMATS.items() if f != "gguf"}
+def formats(name: str, files: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """Each format's (model, --quantization): the random Llama has no GGUF file of its own
+    weights, but --gguf files of its shape."""
+    if name == "default":
+        return {f: (None, q) for f, q in FORMATS.items()}
+    model = model_path(name)
+    own = {f: (model, q) for f, q in FORMATS.items() if f != "gguf"}
+    return own | {f: (path, None) for f, path in files.items()}
 
 
 def model_path(name: str) -> str | None:
@@ -129,13 +138,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--gguf", default="", help="NAME=FILE,...: GGUF files timed beside the random Llama"
+    )
     args = parser.parse_args()
+    files = dict(spec.split("=", 1) for spec in args.gguf.split(",") if spec)
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + args.steps + 8
     rows = []
     for name in args.models.split(","):
-        model = model_path(name)
-        llms = {fmt: engine(model, q, max(batches), max_len) for fmt, q in formats(name).items()}
+        table = formats(name, files)
+        llms = {fmt: engine(m, q, max(batches), max_len) for fmt, (m, q) in table.items()}
         weights = {fmt: weight_mib(llm) for fmt, llm in llms.items()}
         for llm in llms.values():  # warm-up: first calls pay one-off costs
             decode_step_s(llm, max(batches), args.context, 4, seed=0)
@@ -149,11 +162,11 @@ def main() -> None:
         del llms
         memory = {}
         if not args.no_memory:
-            for fmt, q in formats(name).items():
-                memory[fmt] = resident_mib(name if model is None else model, q)
+            for fmt, (m, q) in table.items():
+                memory[fmt] = resident_mib(name if m is None else m, q)
         for batch in batches:
             base = min(times[("bf16", batch)])
-            for fmt in formats(name):
+            for fmt in table:
                 step = min(times[(fmt, batch)])
                 rows.append(
                     {
