@@ -59,7 +59,8 @@ def pack(weight: QuantizedWeight) -> PackedQuantWeight:
     per_word = 32 // bits
     values = weight.q.to(torch.int64) + (128 if bits == 8 else 0)
     fields = values.t().reshape(k // per_word, per_word, n)  # [word row, field, column]
-    shifts = torch.arange(per_word, dtype=torch.int64).view(1, per_word, 1) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=values.device).view(1, per_word, 1)
+    shifts = shifts * bits
     words = (fields << shifts).sum(dim=1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
     mins = None if weight.mins is None else weight.mins.t().contiguous()

@@ -146,3 +146,12 @@ def test_empty_batch_and_unfit_groups() -> None:
     assert unfit(odd) == "its groups of 24 inputs are not a multiple of 16"
     with pytest.raises(ValueError, match="groups of 24"):
         pack(odd)
+
+
+def test_packing_stays_on_the_weights_device() -> None:
+    """--quantization int8 on a GPU quantizes and packs where the weight is; the meta device
+    stands in for CUDA here (a CPU tensor mixed in fails on either)."""
+    from kernels.cpu.quant_layout import quantize
+
+    packed = pack(quantize(torch.empty(32, 64, device="meta")))
+    assert packed.words.device.type == "meta" and packed.scales.device.type == "meta"
