@@ -45,7 +45,8 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
     mode."""
     with torch.device("meta"):
         model = model_class(spec.architecture)(spec.hf_config, shard)
-    module = cast(torch.nn.Module, model).to_empty(device=device).to(spec.dtype).eval()
+    # The dtype first, on meta: materializing float32 and converting after would hold both.
+    module = cast(torch.nn.Module, model).to(spec.dtype).to_empty(device=device).eval()
     model = cast(CausalLM, module)
     source: Path = spec.path
     if spec.gguf_file is not None:
