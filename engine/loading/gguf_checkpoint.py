@@ -83,6 +83,11 @@ def read_tensors(path: Path) -> Iterator[GGUFTensor]:
         elements = int(np.prod(tensor.shape))
         if kind in QUANTIZED:
             block = QUANTIZED[kind]
+            if len(tensor.shape) != 2:  # blocks are read as a matrix's rows
+                raise ModelLoadError(
+                    f"{path}: tensor {tensor.name} is {kind} with shape {list(tensor.shape)}; "
+                    "pagedserve reads quantized blocks for matrices only"
+                )
             expected = elements // block.values * block.nbytes
             if elements % block.values or int(tensor.shape[0]) % block.values:
                 raise ModelLoadError(

@@ -108,6 +108,25 @@ def test_an_unsupported_block_type_is_refused_naming_the_tensor(tmp_path: Path) 
         list(read_tensors(path))
 
 
+def test_a_quantized_vector_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "norm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros(256 // block * size, dtype=np.uint8)  # one row of blocks, a 1-D tensor
+    writer.add_tensor("blk.0.attn_norm.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ModelLoadError, match=r"norm\.gguf: tensor blk\.0\.attn_norm\.weight is Q8_0"
+    ):
+        list(read_tensors(path))
+
+
 def test_q4_0_and_q8_0_blocks_read_as_their_values(tmp_path: Path) -> None:
     import gguf
 
