@@ -7,7 +7,8 @@ them) read for the CPU's quantized kernel, weights only:
 - `int-quantized` / `naive-quantized`: int8 `weight` with its `weight_scale` (and zero point).
 - `float-quantized`: FP8 (e4m3) `weight` with a per-tensor or per-row scale. The kernel has no
   FP8 path and an e4m3 value is not an integer times a shared scale, so these weights are
-  de-quantized once at load into the model's dtype (bf16 holds e4m3 times a bf16 scale exactly).
+  de-quantized once at load into the model's dtype (float32 holds e4m3 times a bf16 scale
+  exactly; bf16 rounds that product to its 8 significant bits).
 
 The value of an integer weight is (q - zero point) * scale. The kernel's is q' * scale + min, so
 4-bit weights keep the unsigned stored value (q' = q + 8) with min = -(8 + zero point) * scale,

@@ -40,10 +40,18 @@ def resolve_format(config: dict[str, Any], path: Path) -> LinearFormat:
     """The checkpoint's format, or a ConfigError naming what in its config cannot be served."""
     where = f"{path / 'config.json'}"
     method = config.get("quant_method")
-    if method == "compressed-tensors":
-        return parse_compressed_tensors(config, where)
-    if method in ("gptq", "awq"):
-        return parse_gptq_awq(config, where)
+    try:
+        if method == "compressed-tensors":
+            return parse_compressed_tensors(config, where)
+        if method in ("gptq", "awq"):
+            return parse_gptq_awq(config, where)
+    except ConfigError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        # A field of another type than the format's (a list for a mapping, a string for a list).
+        raise ConfigError(
+            f"{where}: quantization_config is malformed ({type(exc).__name__}: {exc})"
+        ) from exc
     raise ConfigError(
         f"{where}: quantization_config.quant_method is {method!r}; pagedserve serves "
         f"{', '.join(METHODS)} checkpoints"
@@ -115,6 +123,11 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
             message = str(exc)
             raise ModelLoadError(
                 message if message.startswith(str(path)) else f"{path}: {message}"
+            ) from exc
+        except (ValueError, IndexError, RuntimeError, TypeError) as exc:
+            # A tensor of the wrong rank, dtype or size that a reader's checks let through.
+            raise ModelLoadError(
+                f"{path}: {prefix} ({fmt.method}) cannot be read: {type(exc).__name__}: {exc}"
             ) from exc
         if isinstance(weight, torch.Tensor):
             dense.append((f"{prefix}.weight", weight))

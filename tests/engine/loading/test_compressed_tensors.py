@@ -209,6 +209,20 @@ def test_settings_it_cannot_serve_are_refused_naming_the_field(
         _load(w4_copy)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"config_groups": [{"targets": ["Linear"]}]},
+        {"config_groups.group_0.input_activations": "dynamic"},
+    ],
+    ids=["groups-a-list", "activations-a-string"],
+)
+def test_a_malformed_config_is_a_config_error(w4_copy: Path, changes: dict) -> None:
+    edit_config(w4_copy, **changes)
+    with pytest.raises(ConfigError, match=r"config\.json: quantization_config"):
+        _load(w4_copy)
+
+
 def test_a_group_size_that_does_not_divide_the_inputs_is_refused(w4_copy: Path) -> None:
     edit_config(w4_copy, **{"config_groups.group_0.weights.group_size": 48})
     with pytest.raises(ModelLoadError, match=r"copy: .*weight_scale: a group size of 48"):

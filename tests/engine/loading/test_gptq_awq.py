@@ -161,6 +161,13 @@ def test_a_missing_scales_tensor_is_refused_naming_the_file_and_tensor(gptq: Pat
         _load(gptq)
 
 
+def test_a_tensor_of_the_wrong_rank_is_refused_naming_the_file_and_layer(gptq: Path) -> None:
+    key = "model.layers.0.mlp.down_proj.qweight"
+    _rewrite(gptq, lambda t: t.update({key: t[key].reshape(-1).contiguous()}))
+    with pytest.raises(ModelLoadError, match=r"gptq: model\.layers\.0\.mlp\.down_proj \(gptq\)"):
+        _load(gptq)
+
+
 def test_packing_that_does_not_fit_the_model_is_refused(gptq: Path) -> None:
     # 8 bits declared over words that hold 4-bit values: half the inputs, so twice the groups
     # of 32 that the scales hold.
