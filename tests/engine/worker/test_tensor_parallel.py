@@ -69,12 +69,13 @@ def run(
     return [o.outputs[0].token_ids for o in outputs], counters
 
 
+_one_rank: dict[tuple[str, str], list[list[int]]] = {}
+
 CASES = [
     ("llama_dir", 2, "default"),  # 1 KV head: replicated on both ranks
     ("llama_kv2_dir", 2, "all"),
     ("llama_kv4_dir", 2, "all"),  # sharded checkpoint
-    ("qwen3_dir", 2, "default"),  # 2 KV heads
-    ("qwen3_dir", 2, "all"),
+    ("qwen3_dir", 2, "all"),  # 2 KV heads
     ("qwen3_kv4_dir", 2, "all"),
     ("llama_kv2_dir", 4, "all"),  # 4 ranks, 2 KV heads: each held by two ranks
     ("qwen3_dir", 4, "all"),
@@ -84,7 +85,10 @@ CASES = [
 @pytest.mark.parametrize(("model_fixture", "size", "regime"), CASES)
 def test_greedy_tokens_equal_one_rank(model_fixture: str, size: int, regime: str, request) -> None:
     model_dir: Path = request.getfixturevalue(model_fixture)
-    want, _ = run(model_dir, regime, 1)
+    key = (str(model_dir), regime)
+    if key not in _one_rank:  # shared by the cases that differ only in their rank count
+        _one_rank[key] = run(model_dir, regime, 1)[0]
+    want = _one_rank[key]
     got, (preemptions, hits) = run(model_dir, regime, size)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (
