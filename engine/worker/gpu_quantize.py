@@ -5,8 +5,9 @@
   activations per token at run time), the matmul through torch._scaled_mm.
 - int8: each weight quantized to int8 with a scale per output row (as on the CPU), run as
   W8A16 by the Triton kernel.
-- gguf: the loader's blocks (Q8_0, Q4_0, Q4_1; kernels/cpu/quant_layout's CPU layout) repacked
-  for the Triton kernel, never widened to bf16.
+- gguf, compressed-tensors, gptq, awq: the loader's integers (kernels/cpu/quant_layout's CPU
+  layout) repacked for the Triton kernel, never widened to bf16. (A checkpoint's FP8 weights are
+  de-quantized by its loader and stay dense here.)
 
 The head stays in the activations' dtype for fp8 and int8, as vLLM keeps it: the logits are
 what sampling reads. A tied GGUF head runs on the embedding's de-quantized copy, which is

@@ -130,6 +130,9 @@ def test_the_load_step_gives_every_linear_its_gpu_form(
 
         want = quant_linear(x, pack(quantize(weights[name])), None)
     assert torch.equal(got, want)
+    # And near the layer's float product: a scale applied twice or not at all is far off.
+    dense = x.float() @ weights[name].float().t()
+    assert (got.float() - dense).abs().max() <= 0.1 * dense.abs().max()
 
 
 def _fields(packed: PackedQuantWeight) -> torch.Tensor:
