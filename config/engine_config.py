@@ -97,7 +97,8 @@ class ModelConfig(_Strict):
         None,
         description="weight quantization (int8: every linear weight quantized at load to int8 with a "
         "float32 scale per output row; gguf: a .gguf file's blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, "
-        "Q5_K, Q6_K) as they are, the default model's own file when no model is named; a .gguf model is gguf without the flag; "
+        "Q5_K, Q6_K) as they are, the default model's own file when no model is named; a .gguf "
+        "model is gguf without the flag; "
         "compressed-tensors, gptq, awq, fp8: a checkpoint's own quantized format, detected from its "
         "quantization_config without the flag; fp8 of a bf16/fp16 checkpoint, on a GPU only: "
         "weights quantized at load to float8_e4m3fn with a scale per output channel, activations "
