@@ -12,12 +12,15 @@
 // scales and mins: [column block][group][16] float32.
 //
 // bf16 activations (AVX512-BF16): each step is widened to 32 bf16 in registers (a small integer
-// is exact in bf16) and multiplied by `vdpbf16ps` as bf16_linear does, the pair's products exact
-// in float32; a group's sum is then scaled into the column's float32 total, and its min times the
-// group's sum of the row's inputs added. So a row's numbers are the float32 matmul of the
-// de-quantized weights up to the order of the sums. The widening is done again for every tile of
-// rows: from 8 rows with groups, past 64 without, a work item's weights are instead de-quantized
-// once into bf16 and multiplied as bf16_linear multiplies, each weight then rounded to bf16. float32 activations:
+// is exact in bf16; a 4-bit one is widened as 128 + q, one OR of its nibble into a bf16
+// exponent, the offset taken out with the min) and multiplied by `vdpbf16ps` as bf16_linear
+// does, the pair's products exact in float32; a group's sum is then scaled into the column's
+// float32 total, and its min times the group's sum of the row's inputs added. So a row's numbers
+// are the float32 matmul of the de-quantized weights up to the order of the sums (and, for
+// 4-bit, the rounding of sums that carry 128 x each input: measured within 2^-18 of the sums'
+// magnitudes, tests/kernels/cpu/test_cpu_quant_widening.py). The widening is done again for
+// every tile of 8 rows; past 64 rows a work item's weights are instead de-quantized once into
+// bf16 and multiplied as bf16_linear multiplies, each weight then rounded to bf16. float32 activations:
 // the steps widened to float32 and multiplied with FMAs, each column's two lanes added at the end.
 // Without AVX512-BF16 (or to check the vector code) a portable loop over the same layout, which
 // the compiler vectorizes for the build's target.
@@ -149,22 +152,53 @@ AVX512_TARGET inline void load_step(const uint8_t* step, __m128i& lo, __m128i& h
     }
 }
 
-// One step as 32 bf16 in the pair order `vdpbf16ps` reads.
+// One step as 32 bf16 in the pair order `vdpbf16ps` reads: 8-bit values as themselves (a small
+// integer is exact in bf16); 4-bit ones as 128 + q (see widen_4bit).
 template <int kBits>
-AVX512_TARGET inline __m512bh widen_bf16(const uint8_t* step) {
+AVX512_TARGET inline __m512bh widen_bf16(const uint8_t* step);
+
+template <>
+AVX512_TARGET inline __m512bh widen_bf16<8>(const uint8_t* step) {
     __m128i lo, hi;
-    load_step<kBits>(step, lo, hi);
+    load_step<8>(step, lo, hi);
     return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
 }
 
+// A 4-bit step without converting through float32: the bf16 bit pattern 0x4300 | q is exactly
+// 128 + q (exponent 2^7, q in the top bits of its mantissa), so the 16 bytes go to both halves
+// of 32 words, the high half shifted by a nibble, and one ternary-logic op masks the nibble and
+// sets the exponent. Four instructions a step instead of nine; the products are x * (128 + q),
+// still exact in float32, and the 128 * x * scale they add to a group's sum is taken out with
+// the min, through the group's sum of the row's inputs (see group_min).
+template <>
+AVX512_TARGET inline __m512bh widen_bf16<4>(const uint8_t* step) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step)));
+    const __m512i words = _mm512_cvtepu8_epi16(bytes);
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0, 0, 0, 0);
+    const __m512i nibbles = _mm512_srlv_epi16(words, shift);
+    // (a & 0x000F) | 0x4300: ternary-logic table 0xEA for A & B | C.
+    return reinterpret_cast<__m512bh>(
+        _mm512_ternarylogic_epi32(nibbles, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA));
+}
+
 // How a weight's groups are applied: one scale per column at the end, a scale per group, or a
-// scale and a min per group.
+// scale and a min per group (every 4-bit weight: its 128 offset is a min, see widen_bf16<4>).
 enum class Groups { kOne, kScaled, kScaledWithMins };
 
-// Rows [0, R) of x against column blocks `block` and `block + 1`. R is 8 with one group and 4
-// with more: a group's sums take another set of registers.
-template <int R, Groups kGroups, int kBits, bool kPrefetch>
+// What a group's input sum multiplies: the min, less 128 x scale for 4-bit steps (128 x scale is
+// exact, so this is one float32 rounding).
+template <int kBits>
+AVX512_TARGET inline __m512 group_min(const float* mins, const float* scales) {
+    const __m512 mn = mins == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mins);
+    if constexpr (kBits == 4) return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_loadu_ps(scales), mn);
+    return mn;
+}
+
+// Rows [0, R) of x against NB column blocks from `block` on: NB x R totals, and as many group
+// sums where there are groups (then the totals, used once a group, are what spills).
+template <int R, int NB, Groups kGroups, int kBits, bool kPrefetch>
 AVX512_TARGET void tile_bf16(const at::BFloat16* x, const float* xsums, const Weights& w, at::BFloat16* out,
                              int64_t block) {
     constexpr bool kGrouped = kGroups != Groups::kOne;
@@ -172,15 +206,15 @@ AVX512_TARGET void tile_bf16(const at::BFloat16* x, const float* xsums, const We
     const uint8_t* q0 = w.q + block * w.pairs * kStep;
     const uint8_t* q1 = q0 + w.pairs * kStep;
     const float* s0 = w.scales + block * w.groups * kCols;
-    const float* s1 = s0 + w.groups * kCols;
     const int32_t* xp = reinterpret_cast<const int32_t*>(x);
-    __m512 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    __m512 a[NB][R];
+    for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) a[b][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
-        __m512 g0[R], g1[R];
-        for (int r = 0; r < R; ++r) g0[r] = g1[r] = _mm512_setzero_ps();
-        __m512* acc0 = kGrouped ? g0 : a0;
-        __m512* acc1 = kGrouped ? g1 : a1;
+        __m512 gs[NB][R];
+        for (int b = 0; b < NB; ++b)
+            for (int r = 0; r < R; ++r) gs[b][r] = _mm512_setzero_ps();
+        auto* acc = kGrouped ? gs : a;
         const int64_t end = (g + 1) * w.group_pairs;
         for (int64_t p = g * w.group_pairs; p < end; ++p) {
             if constexpr (kPrefetch) {  // the next item's two blocks, a 64-byte line at a time
@@ -189,64 +223,67 @@ AVX512_TARGET void tile_bf16(const at::BFloat16* x, const float* xsums, const We
                     _mm_prefetch(reinterpret_cast<const char*>(q1 + (2 * w.pairs + p) * kStep), _MM_HINT_T1);
                 }
             }
-            const __m512bh u = widen_bf16<kBits>(q0 + p * kStep);
-            const __m512bh v = widen_bf16<kBits>(q1 + p * kStep);
+            __m512bh u[NB];
+            for (int b = 0; b < NB; ++b) u[b] = widen_bf16<kBits>(q0 + (b * w.pairs + p) * kStep);
             for (int r = 0; r < R; ++r) {
-                const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[r * w.pairs + p]));
-                acc0[r] = _mm512_dpbf16_ps(acc0[r], b, u);
-                acc1[r] = _mm512_dpbf16_ps(acc1[r], b, v);
+                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[r * w.pairs + p]));
+                for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xb, u[b]);
             }
         }
         if constexpr (kGrouped) {
-            const __m512 sc0 = _mm512_loadu_ps(s0 + g * kCols), sc1 = _mm512_loadu_ps(s1 + g * kCols);
-            for (int r = 0; r < R; ++r) {
-                a0[r] = _mm512_fmadd_ps(g0[r], sc0, a0[r]);
-                a1[r] = _mm512_fmadd_ps(g1[r], sc1, a1[r]);
-            }
-            if constexpr (kGroups == Groups::kScaledWithMins) {
-                const float* m0 = w.mins + block * w.groups * kCols + g * kCols;
-                const __m512 mn0 = _mm512_loadu_ps(m0), mn1 = _mm512_loadu_ps(m0 + w.groups * kCols);
-                for (int r = 0; r < R; ++r) {
-                    const __m512 xs = _mm512_set1_ps(xsums[r * w.groups + g]);
-                    a0[r] = _mm512_fmadd_ps(xs, mn0, a0[r]);
-                    a1[r] = _mm512_fmadd_ps(xs, mn1, a1[r]);
+            for (int b = 0; b < NB; ++b) {
+                const float* sb = s0 + b * w.groups * kCols + g * kCols;
+                const __m512 sc = _mm512_loadu_ps(sb);
+                for (int r = 0; r < R; ++r) a[b][r] = _mm512_fmadd_ps(gs[b][r], sc, a[b][r]);
+                if constexpr (kGroups == Groups::kScaledWithMins) {
+                    const float* mb = w.mins ? w.mins + (block + b) * w.groups * kCols + g * kCols : nullptr;
+                    const __m512 mn = group_min<kBits>(mb, sb);
+                    for (int r = 0; r < R; ++r) {
+                        a[b][r] = _mm512_fmadd_ps(_mm512_set1_ps(xsums[r * w.groups + g]), mn, a[b][r]);
+                    }
                 }
             }
         }
     }
-    const int64_t col0 = block * kCols;
-    const __mmask16 m0 = existing(w.n, col0), m1 = existing(w.n, col0 + kCols);
-    const __m512 b0 = bias_at(w.bias, col0, m0), b1 = bias_at(w.bias, col0 + kCols, m1);
-    const __m512 sc0 = _mm512_loadu_ps(s0), sc1 = _mm512_loadu_ps(s1);
-    for (int r = 0; r < R; ++r) {
-        const __m512 y0 = kGrouped ? _mm512_add_ps(a0[r], b0) : _mm512_fmadd_ps(a0[r], sc0, b0);
-        const __m512 y1 = kGrouped ? _mm512_add_ps(a1[r], b1) : _mm512_fmadd_ps(a1[r], sc1, b1);
-        auto* dst = reinterpret_cast<uint16_t*>(out + r * w.n + col0);
-        _mm256_mask_storeu_epi16(dst, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y0)));
-        _mm256_mask_storeu_epi16(dst + kCols, m1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y1)));
+    for (int b = 0; b < NB; ++b) {
+        const int64_t col = (block + b) * kCols;
+        const __mmask16 m = existing(w.n, col);
+        const __m512 bias = bias_at(w.bias, col, m);
+        const __m512 sc = _mm512_loadu_ps(s0 + b * w.groups * kCols);
+        for (int r = 0; r < R; ++r) {
+            const __m512 y = kGrouped ? _mm512_add_ps(a[b][r], bias) : _mm512_fmadd_ps(a[b][r], sc, bias);
+            auto* dst = reinterpret_cast<uint16_t*>(out + r * w.n + col);
+            _mm256_mask_storeu_epi16(dst, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+        }
     }
 }
 
-template <int R, Groups kGroups, int kBits, bool kPrefetch>
+template <int R, int NB, Groups kGroups, int kBits, bool kPrefetch>
 AVX512_TARGET void rows_bf16(int64_t rows, const at::BFloat16* x, const float* xsums, const Weights& w,
                              at::BFloat16* out, int64_t block) {
     for (; rows >= R; rows -= R, x += R * w.k, xsums += R * w.groups, out += R * w.n) {
-        tile_bf16<R, kGroups, kBits, kPrefetch>(x, xsums, w, out, block);
+        tile_bf16<R, NB, kGroups, kBits, kPrefetch>(x, xsums, w, out, block);
     }
     if constexpr (R > 1) {
-        if (rows > 0) rows_bf16<R / 2, kGroups, kBits, kPrefetch>(rows, x, xsums, w, out, block);
+        if (rows > 0) rows_bf16<R / 2, NB, kGroups, kBits, kPrefetch>(rows, x, xsums, w, out, block);
     }
 }
 
+// Both of a work item's blocks, 8 rows a tile: with groups, 16 group sums in registers and the
+// 16 totals spilled, touched once a group. (4 rows a tile, which kept both in registers, widened
+// each step twice as often: Q4_1 at 16 rows took the default model's 120 linears from 58 to 48
+// ms, one thread, bench/quant_kernel.py.)
 template <int kBits, bool kPrefetch>
 AVX512_TARGET void item_bf16(int64_t rows, const at::BFloat16* x, const float* xsums, const Weights& w,
                              at::BFloat16* out, int64_t block) {
-    if (w.mins != nullptr) {
-        rows_bf16<4, Groups::kScaledWithMins, kBits, kPrefetch>(rows, x, xsums, w, out, block);
+    if constexpr (kBits == 4) {  // always a min: the 128 offset's
+        rows_bf16<8, 2, Groups::kScaledWithMins, 4, kPrefetch>(rows, x, xsums, w, out, block);
+    } else if (w.mins != nullptr) {
+        rows_bf16<8, 2, Groups::kScaledWithMins, 8, kPrefetch>(rows, x, xsums, w, out, block);
     } else if (w.groups > 1) {
-        rows_bf16<4, Groups::kScaled, kBits, kPrefetch>(rows, x, xsums, w, out, block);
+        rows_bf16<8, 2, Groups::kScaled, 8, kPrefetch>(rows, x, xsums, w, out, block);
     } else {
-        rows_bf16<8, Groups::kOne, kBits, kPrefetch>(rows, x, xsums, w, out, block);
+        rows_bf16<8, 2, Groups::kOne, 8, kPrefetch>(rows, x, xsums, w, out, block);
     }
 }
 
@@ -444,7 +481,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     // decode step's few rows, torch ops here cost more than the sums (three ops a linear took
     // the default model's 120 linears at 1 row from ~8 to ~14 ms).
     std::vector<float> xsums;
-    if (mins) {
+    const bool need_xsums = mins || (four_bit && is_bf16);  // 4-bit bf16: the 128 offset's sums
+    if (need_xsums) {
         xsums.assign(m * groups, 0.0f);
         const int64_t group = k / groups;
         const at::BFloat16* xb = is_bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
@@ -454,14 +492,15 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
         }
     }
     const Weights w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr,
-                    bias ? bias->data_ptr<float>() : nullptr, mins ? xsums.data() : nullptr,
+                    bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
     const bool fast = vector && vector_path();
     // From how many rows a work item de-quantizes its weights into bf16 first (see
-    // dequantize_bf16): with groups, whose tiles hold 4 rows, from 8 (each step was widened
-    // again for every 4 rows: Q4_1 at 16 rows took the default model's decode step from 21 to
-    // 34 ms); with one scale a column, whose tiles hold 8, past the decode row counts.
-    const int64_t dense_from = groups > 1 || mins ? 8 : kPrefetchRows + 1;
+    // dequantize_bf16): past the decode row counts. Below, the steps are widened in registers
+    // for every tile of 8 rows, which at 8-32 rows costs less than writing and reading back the
+    // item (de-quantized, or widened once into a bf16 buffer without its scales: both measured
+    // slower, bench/quant_kernel.py).
+    const int64_t dense_from = kPrefetchRows + 1;
     const int64_t column_items = padded_columns(n) / kBlockCols;
     // Rows split evenly over the fewest blocks of at most kRowBlock (see bf16_linear: blocks of
     // unequal rows are unequal work for the thread that takes them).
