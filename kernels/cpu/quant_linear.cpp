@@ -28,10 +28,17 @@
 // The vector code is compiled for AVX512 whatever the build's target (function attributes) and
 // chosen at run time from the CPU's own flags, so an image built for x86-64-v3 still takes it.
 //
-// Against bf16_linear on the default model's 120 layer linears (2-core Zen 4, AVX512-BF16, no
-// AMX; a machine shared with other work; median of 7, one process alternating): int8 per-channel
-// at 1 row 4.7 ms against 8.4, at 16 rows 10.4 against 12.5; with groups of 32, before the
-// many-row path below (4 rows a register tile: the group sums take registers), 5.4 and 15.3.
+// Against bf16_linear on the default model's 120 layer linears (bench/quant_kernel.py: 2-core
+// Zen 4, AVX512-BF16, no AMX; one thread; a machine loaded by other work, load average 8-9;
+// median of 5 passes, formats alternating in one process; two runs each, before and after the
+// 128 + q widening and the 8-row tiles): bf16's median over the format's at 1 / 4 / 8 / 16 / 32
+// rows, Q4_1 before 1.16-1.32 / 0.97-1.23 / 0.72-0.73 / 0.68-0.74 / 0.87-0.96, after
+// 1.98-2.40 / 1.51-1.74 / 0.79-1.17 / 0.78-0.99 / 0.79-0.92; Q8_0 before 1.19-1.74 / 0.85-1.65 /
+// 0.54-0.68 / 0.66-0.77 / 0.89-0.94, after 1.67-1.86 / 1.31-1.46 / 1.04-1.37 / 0.86-1.25 /
+// 0.98-1.08; int8 per-channel (its code unchanged) 1.34-2.00 / 1.02-1.41 / 1.18-1.43 /
+// 0.96-1.16 / 1.08-1.25. From 8 rows bf16's own matmul is bound by its arithmetic, which a
+// format that widens to bf16 repeats (the same count of `vdpbf16ps`, plus the widening and a
+// group's scale and min): the bytes saved no longer buy time there.
 // Whole decode steps, every format: bench/quantized.py and bench/README.md.
 
 #include <torch/extension.h>
