@@ -8,7 +8,6 @@ others (often Q6_K in a K-quant file)."""
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -23,36 +22,12 @@ from engine.loading.gguf_checkpoint import (
     unpermute_dense,
     unpermute_rows,
 )
+from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
 from engine.models.base import DecoderModel
-from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
+from engine.models.layers.linear import PackableLinear
 from kernels.cpu.quant_layout import QuantizedWeight, pack
 
 log = logging.getLogger(__name__)
-
-
-def join_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
-    """Weights stacked by output rows (q, k, v into qkv). Parts of different block types meet
-    on common terms, each exactly: mixed 8- and 4-bit parts become 8-bit (a 4-bit value fits),
-    zero mins where a part has none, and different group sizes the largest size that divides
-    them all (a group of 32 is two groups of 16 with its scale and min repeated)."""
-    columns = {int(p.q.shape[1]) for p in parts}
-    if len(columns) != 1:
-        raise ModelLoadError(f"{what}: its parts have {sorted(columns)} input features")
-    group = math.gcd(*(p.group for p in parts))  # even, as every part's group is
-    bits = parts[0].bits if len({p.bits for p in parts}) == 1 else 8
-    with_mins = any(p.mins is not None for p in parts)
-
-    def split(values: torch.Tensor, part: QuantizedWeight) -> torch.Tensor:
-        return values.repeat_interleave(part.group // group, dim=1)
-
-    mins = None
-    if with_mins:
-        mins = torch.cat(
-            [split(torch.zeros_like(p.scales) if p.mins is None else p.mins, p) for p in parts]
-        )
-    return QuantizedWeight(
-        torch.cat([p.q for p in parts]), torch.cat([split(p.scales, p) for p in parts]), mins, bits
-    )
 
 
 def load_gguf(model: DecoderModel, path: Path, hf_config: PretrainedConfig) -> dict[str, int]:
@@ -94,28 +69,9 @@ def load_gguf(model: DecoderModel, path: Path, hf_config: PretrainedConfig) -> d
                 "linear weights"
             )
         parts.setdefault(module_name, {})[part] = weight
-    for module_name, found in parts.items():
-        module = model.get_submodule(module_name)
-        assert isinstance(module, PackableLinear) and module.weight is not None
-        names = module.parts("weight") if isinstance(module, ColumnParallelLinear) else [None]
-        missing = [p for p in names if p not in found]
-        if missing:
-            raise ModelLoadError(f"{path}: {module_name} has no tensor for {missing}")
-        joined = join_rows([found[p] for p in names], module_name)
-        if tuple(joined.q.shape) != tuple(module.weight.shape):
-            raise ModelLoadError(
-                f"{path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
-                f"says {tuple(module.weight.shape)}"
-            )
-        module.quantized = pack(joined)
-        module.register_parameter("weight", None)
+    place_quantized(model, parts, path)
     model.load_weights(plain)
-    for module in model.modules():
-        if not isinstance(module, PackableLinear) or module.quantized is None:
-            continue
-        bias = module.bias
-        if isinstance(bias, torch.Tensor):
-            module.quantized_bias = bias.detach().to(torch.float32).contiguous()
+    keep_quantized_biases(model)
     if head is not None:
         model.lm_head_quantized = pack(head)
     return counts

@@ -17,13 +17,13 @@ from transformers import PretrainedConfig
 from config import ConfigError
 from engine.errors import ModelLoadError
 from engine.loading.compressed_tensors import CompressedTensorsFormat, parse_compressed_tensors
-from engine.loading.gguf_loader import join_rows
 from engine.loading.gptq_awq import parse_gptq_awq
 from engine.loading.hub import WEIGHT_INDEX, index_shards
 from engine.loading.linear_format import LinearFormat
+from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
 from engine.models.base import DecoderModel
-from engine.models.layers.linear import CheckpointTensor, ColumnParallelLinear, PackableLinear
-from kernels.cpu.quant_layout import QuantizedWeight, pack
+from engine.models.layers.linear import CheckpointTensor, PackableLinear
+from kernels.cpu.quant_layout import QuantizedWeight
 
 # quant_method -> the --quantization names that agree with it.
 METHODS = {"compressed-tensors": ("compressed-tensors",), "gptq": ("gptq",), "awq": ("awq",)}
@@ -133,29 +133,9 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
             dense.append((f"{prefix}.weight", weight))
         else:
             parts.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
-    for module_name, found in parts.items():
-        module = model.get_submodule(module_name)
-        assert isinstance(module, PackableLinear) and module.weight is not None
-        if None in found:  # a checkpoint tensor that already fuses every part (Phi-3's qkv)
-            names: list[str | None] = [None]
-        else:
-            names = module.parts("weight") if isinstance(module, ColumnParallelLinear) else [None]
-        missing = [p for p in names if p not in found]
-        if missing:
-            raise ModelLoadError(f"{path}: {module_name} has no quantized tensor for {missing}")
-        joined = join_rows([found[p] for p in names], module_name)
-        if tuple(joined.q.shape) != tuple(module.weight.shape):
-            raise ModelLoadError(
-                f"{path}: {module_name} is {tuple(joined.q.shape)} in the checkpoint, the "
-                f"config says {tuple(module.weight.shape)}"
-            )
-        module.quantized = pack(joined)
-        module.register_parameter("weight", None)
+    place_quantized(model, parts, path)
     model.load_weights([*_plain(ckpt, quantized), *dense])
-    for module in model.modules():
-        quantized_layer = isinstance(module, PackableLinear) and module.quantized is not None
-        if quantized_layer and isinstance(module.bias, torch.Tensor):
-            module.quantized_bias = module.bias.detach().to(torch.float32).contiguous()
+    keep_quantized_biases(model)
     count = sum(len(found) for found in parts.values())
     return {"quantized": count, "dequantized": len(dense)}
 

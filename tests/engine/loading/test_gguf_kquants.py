@@ -22,8 +22,8 @@ from engine.errors import ModelLoadError
 from engine.loading.default_model import gguf_path
 from engine.loading.gguf_blocks import BLOCK_TYPES, decode
 from engine.loading.gguf_checkpoint import read_tensors
-from engine.loading.gguf_loader import join_rows
 from engine.loading.gguf_metadata import metadata_dir
+from engine.loading.quantized_linears import join_rows
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear
 from kernels.cpu.quant_layout import QuantizedWeight

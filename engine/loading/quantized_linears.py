@@ -1,0 +1,74 @@
+"""Quantized weights into a loaded-shape model, whatever file they came from (GGUF blocks, a
+quantized checkpoint's integers): the parts of a fused layer (q/k/v, gate/up) joined by rows,
+checked against the layer's shape, packed for the CPU kernel, and the float weight dropped."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
+from kernels.cpu.quant_layout import QuantizedWeight, pack
+
+
+def join_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
+    """Weights stacked by output rows (q, k, v into qkv). Parts of different block types meet
+    on common terms, each exactly: mixed 8- and 4-bit parts become 8-bit (a 4-bit value fits),
+    zero mins where a part has none, and different group sizes the largest size that divides
+    them all (a group of 32 is two groups of 16 with its scale and min repeated)."""
+    columns = {int(p.q.shape[1]) for p in parts}
+    if len(columns) != 1:
+        raise ModelLoadError(f"{what}: its parts have {sorted(columns)} input features")
+    group = math.gcd(*(p.group for p in parts))  # even, as every part's group is
+    bits = parts[0].bits if len({p.bits for p in parts}) == 1 else 8
+    with_mins = any(p.mins is not None for p in parts)
+
+    def split(values: torch.Tensor, part: QuantizedWeight) -> torch.Tensor:
+        return values.repeat_interleave(part.group // group, dim=1)
+
+    mins = None
+    if with_mins:
+        mins = torch.cat(
+            [split(torch.zeros_like(p.scales) if p.mins is None else p.mins, p) for p in parts]
+        )
+    return QuantizedWeight(
+        torch.cat([p.q for p in parts]), torch.cat([split(p.scales, p) for p in parts]), mins, bits
+    )
+
+
+def place_quantized(
+    model: DecoderModel, parts: dict[str, dict[str | None, QuantizedWeight]], path: Path
+) -> None:
+    """Each module's parts (keyed as the model's loader names them; None: the whole layer, or a
+    tensor that already fuses every part, as Phi-3's qkv) joined and packed into it."""
+    for module_name, found in parts.items():
+        module = model.get_submodule(module_name)
+        assert isinstance(module, PackableLinear) and module.weight is not None
+        if None in found or not isinstance(module, ColumnParallelLinear):
+            names: list[str | None] = [None]
+        else:
+            names = list(module.parts("weight"))
+        missing = [p for p in names if p not in found]
+        if missing:
+            raise ModelLoadError(f"{path}: {module_name} has no quantized tensor for {missing}")
+        joined = join_rows([found[p] for p in names], module_name)
+        if tuple(joined.q.shape) != tuple(module.weight.shape):
+            raise ModelLoadError(
+                f"{path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
+                f"says {tuple(module.weight.shape)}"
+            )
+        module.quantized = pack(joined)
+        module.register_parameter("weight", None)
+
+
+def keep_quantized_biases(model: DecoderModel) -> None:
+    """A quantized layer's bias in float32, as the kernel adds it (after the model's own loader
+    filled the bias)."""
+    for module in model.modules():
+        quantized = isinstance(module, PackableLinear) and module.quantized is not None
+        if quantized and isinstance(module.bias, torch.Tensor):
+            module.quantized_bias = module.bias.detach().to(torch.float32).contiguous()
