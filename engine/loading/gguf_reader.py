@@ -30,6 +30,8 @@ def _reader_class() -> type:
             for field in fields:
                 # A tensor's table entry: name length, name, dimension count, dimensions, type,
                 # offset of its data from the start of the data section.
+                if len(field.parts) != 6:  # another table layout: the package's checks only
+                    break
                 _, name, _, dims, raw_type, offset = field.parts
                 kind = gguf.GGMLQuantizationType(int(raw_type[0]))
                 block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
