@@ -173,6 +173,20 @@ def _unknown_to_transformers(config: dict[str, Any]) -> str:
     return ""
 
 
+def safetensors_files(path: Path) -> list[str]:
+    """The safetensors files of a local checkpoint: the shards its weight index names, or every
+    *.safetensors in the folder, sorted."""
+    index = path / WEIGHT_INDEX
+    files = (
+        index_shards(index)
+        if index.is_file()
+        else sorted(p.name for p in path.glob("*.safetensors"))
+    )
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {path}")
+    return files
+
+
 def index_shards(index: Path) -> list[str]:
     """The shard files a sharded checkpoint's weight index names, sorted, each once."""
     try:

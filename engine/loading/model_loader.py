@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
-from engine.loading.hub import WEIGHT_INDEX, index_shards
+from engine.loading.hub import safetensors_files
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import CheckpointTensor
 from engine.models.registry import model_class
@@ -27,14 +27,7 @@ log = logging.getLogger(__name__)
 def iter_safetensors(path: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as a lazy
     slice: a tensor-parallel rank reads only the part it indexes."""
-    index = path / WEIGHT_INDEX
-    if index.is_file():
-        files = index_shards(index)
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no safetensors weights in {path}")
-    for name in files:
+    for name in safetensors_files(path):
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has no __iter__
                 yield key, f.get_slice(key)

@@ -18,7 +18,7 @@ from config import ConfigError
 from engine.errors import ModelLoadError
 from engine.loading.compressed_tensors import CompressedTensorsFormat, parse_compressed_tensors
 from engine.loading.gptq_awq import parse_gptq_awq
-from engine.loading.hub import WEIGHT_INDEX, index_shards
+from engine.loading.hub import safetensors_files
 from engine.loading.linear_format import LinearFormat
 from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
 from engine.models.base import DecoderModel
@@ -69,15 +69,9 @@ class _Checkpoint:
     """The checkpoint's tensor names, file by file, read on demand."""
 
     def __init__(self, path: Path) -> None:
-        index = path / WEIGHT_INDEX
-        names = (
-            index_shards(index)
-            if index.is_file()
-            else sorted(p.name for p in path.glob("*.safetensors"))
-        )
-        if not names:
-            raise ModelLoadError(f"no safetensors weights in {path}")
-        self.files = {name: safe_open(str(path / name), framework="pt") for name in names}
+        self.files = {
+            name: safe_open(str(path / name), framework="pt") for name in safetensors_files(path)
+        }
         self.where = {key: name for name, f in self.files.items() for key in f.keys()}  # noqa: SIM118
 
     def slice(self, key: str) -> CheckpointTensor:
