@@ -5,10 +5,11 @@ them) read for the CPU's quantized kernel, weights only:
   offset by 2**(bits-1) so that they are unsigned), `weight_scale` per output row and group, and
   for asymmetric schemes `weight_zero_point` packed the same way along the output rows.
 - `int-quantized` / `naive-quantized`: int8 `weight` with its `weight_scale` (and zero point).
-- `float-quantized`: FP8 (e4m3) `weight` with a per-tensor or per-row scale. The kernel has no
-  FP8 path and an e4m3 value is not an integer times a shared scale, so these weights are
-  de-quantized once at load into the model's dtype (float32 holds e4m3 times a bf16 scale
-  exactly; bf16 rounds that product to its 8 significant bits).
+- `float-quantized`: FP8 (e4m3) `weight` with a per-tensor or per-row scale, read as an
+  `Fp8Layer` (engine/loading/fp8_layers.py): kept as stored for a GPU's FP8 matmul where one
+  runs (`fp8_kernel`, set at start-up), else de-quantized into the model's dtype layer by layer
+  as the model loads (the CPU kernel has no FP8 path, and an e4m3 value is not an integer times
+  a shared scale).
 
 The value of an integer weight is (q - zero point) * scale. The kernel's is q' * scale + min, so
 4-bit weights keep the unsigned stored value (q' = q + 8) with min = -(8 + zero point) * scale,
@@ -30,6 +31,7 @@ import torch
 
 from config import ConfigError
 from engine.errors import ModelLoadError
+from engine.loading.fp8_layers import Fp8Layer, Fp8Stored
 from engine.loading.int_packing import unpack_words
 from engine.loading.linear_format import Tensors, check_shape, group_count
 from kernels.cpu.quant_layout import QuantizedWeight
@@ -64,10 +66,17 @@ class CompressedTensorsFormat:
     schemes: tuple[WeightScheme, ...]
     ignore: tuple[str, ...]
     method: str = "compressed-tensors"
+    # FP8 weights run as stored through torch._scaled_mm (a GPU of compute capability 8.9+);
+    # else de-quantized at load. Set by the start-up once the platform is known.
+    fp8_kernel: bool = False
 
     @property
     def float_weights(self) -> bool:
         return all(s.type == "float" for s in self.schemes)
+
+    @property
+    def has_float(self) -> bool:
+        return any(s.type == "float" for s in self.schemes)
 
     def describe(self) -> str:
         parts = [
@@ -77,9 +86,11 @@ class CompressedTensorsFormat:
             for s in self.schemes
         ]
         how = "integers read as stored"
-        if any(s.type == "float" for s in self.schemes):
-            # The kernel has no FP8 path: say where the memory and speed went.
-            how = "FP8 weights de-quantized once at load to the model's dtype (no FP8 kernel)"
+        if self.has_float:
+            if self.fp8_kernel:
+                how = "FP8 weights kept as stored, run through torch._scaled_mm (FP8 activations per token)"
+            else:  # say where the memory and speed went
+                how = "FP8 weights de-quantized at load to the model's dtype (no FP8 matmul here)"
         return f"compressed-tensors ({', '.join(parts)}): {how}"
 
     def scheme_of(self, prefix: str) -> WeightScheme | None:
@@ -100,7 +111,7 @@ class CompressedTensorsFormat:
     def expects_quantized(self, prefix: str) -> bool:
         return self.scheme_of(prefix) is not None
 
-    def read(self, prefix: str, tensors: Tensors) -> QuantizedWeight | torch.Tensor:
+    def read(self, prefix: str, tensors: Tensors) -> QuantizedWeight | Fp8Layer:
         scheme = self.scheme_of(prefix)
         if scheme is None:
             raise ModelLoadError(
@@ -108,7 +119,10 @@ class CompressedTensorsFormat:
                 "names it (or `ignore` does)"
             )
         if scheme.type == "float":
-            return _float_weight(prefix, scheme, tensors)
+            # Read when the loader asks: placed as FP8, or de-quantized as the model loads.
+            return Fp8Layer(
+                prefix, lambda: _float_weight(prefix, scheme, tensors), kept=self.fp8_kernel
+            )
         return _int_weight(prefix, scheme, tensors)
 
 
@@ -160,12 +174,15 @@ def _int_weight(prefix: str, scheme: WeightScheme, tensors: Tensors) -> Quantize
     return QuantizedWeight((stored - offset).to(torch.int8), scales, mins, bits=8)
 
 
-def _float_weight(prefix: str, scheme: WeightScheme, tensors: Tensors) -> torch.Tensor:
+def _float_weight(prefix: str, scheme: WeightScheme, tensors: Tensors) -> Fp8Stored:
     weight = tensors("weight")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ModelLoadError(f"tensor {prefix}.weight is {weight.dtype}, float-quantized is e4m3")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ModelLoadError(
+            f"tensor {prefix}.weight is {weight.dtype} {tuple(weight.shape)}, float-quantized "
+            "is 2-D e4m3"
+        )
     n, k = weight.shape
-    return weight.to(torch.float32) * _scales(prefix, scheme, tensors, n, k)
+    return Fp8Stored(weight, _scales(prefix, scheme, tensors, n, k).reshape(n))
 
 
 def _field(where: str, path: str, value: object, why: str) -> ConfigError:

@@ -1,7 +1,6 @@
 """What a quantized checkpoint format (compressed-tensors, GPTQ, AWQ) tells the loader about its
 linear layers: which of them it stores quantized, and how one layer's tensors become the
-quantized kernel's integers, scales and mins (or, where the kernel has no path for the format,
-a dense weight de-quantized once)."""
+quantized kernel's integers, scales and mins (or an FP8 layer, engine/loading/fp8_layers.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from typing import Protocol
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.fp8_layers import Fp8Layer
 from kernels.cpu.quant_layout import QuantizedWeight
 
 # A layer's tensor by its name after the layer's prefix ("qweight", "weight_scale", ...);
@@ -37,8 +37,9 @@ class LinearFormat(Protocol):
         then a checkpoint that lies)."""
         ...
 
-    def read(self, prefix: str, tensors: Tensors) -> QuantizedWeight | torch.Tensor:
-        """The layer's weight [out, in]: integers for the kernel, or a dense float tensor."""
+    def read(self, prefix: str, tensors: Tensors) -> QuantizedWeight | Fp8Layer | torch.Tensor:
+        """The layer's weight [out, in]: integers for the kernel, an FP8 layer (read when the
+        loader asks), or a dense float tensor."""
         ...
 
 

@@ -61,9 +61,10 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
             raise ModelLoadError(f"{spec.path}: quantized checkpoints are read for decoder models")
         counts = load_quantized_checkpoint(model, spec.path, spec.linear_format)
         log.info(
-            "%s: %d linear weights read as integers, %d de-quantized once at load (FP8)",
+            "%s: %d linear weights read as integers, %d kept as FP8, %d de-quantized at load (FP8)",
             spec.linear_format.method,
             counts["quantized"],
+            counts["fp8"],
             counts["dequantized"],
         )
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from config import ConfigError, EngineConfig
 from engine.distributed.shard import Shard, check_shardable
 from engine.errors import ModelLoadError
+from engine.loading.compressed_tensors import CompressedTensorsFormat
 from engine.loading.default_model import gguf_path
 from engine.loading.gguf_metadata import is_gguf
 from engine.loading.hub import tokenizer_path
@@ -148,6 +149,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         if why_not is not None:
             raise ConfigError(f"--quantization {quantization}: {why_not}")
         if linear_format is not None:
+            linear_format = fp8_for_platform(linear_format, platform.capability)
             log.info("weights: %s", linear_format.describe())
         else:
             log.info("weights: %s (quantized at load)", quantization)
@@ -218,6 +220,28 @@ def resolve_checkpoint_quantization(
     return fmt.method, fmt
 
 
+def fp8_matmul_unfit(capability: tuple[int, int] | None) -> str | None:
+    """Why torch._scaled_mm's FP8 matmul does not run here, or None."""
+    if capability is None:
+        return "FP8 matmuls run on a GPU (compute capability 8.9 or later), not the CPU"
+    if capability < (8, 9):
+        major, minor = capability
+        return f"FP8 matmuls need compute capability 8.9 or later, not {major}.{minor}"
+    return None
+
+
+def fp8_for_platform(fmt: LinearFormat, capability: tuple[int, int] | None) -> LinearFormat:
+    """A checkpoint's FP8 weights run as stored where the FP8 matmul runs. Elsewhere they are
+    de-quantized at load and served, as vLLM serves an FP8 checkpoint on a GPU without FP8
+    (weight-only there): the checkpoint still runs, slower and larger, and the log says so."""
+    if not isinstance(fmt, CompressedTensorsFormat) or not fmt.has_float:
+        return fmt
+    why_not = fp8_matmul_unfit(capability)
+    if why_not is not None and capability is not None:  # a GPU: say where the speed went
+        log.warning("FP8 checkpoint: its FP8 weights are de-quantized at load (%s)", why_not)
+    return replace(fmt, fp8_kernel=why_not is None)
+
+
 def quantization_unfit(
     quantization: str,
     platform: Platform,
@@ -240,8 +264,8 @@ def quantization_unfit(
         major, minor = platform.capability
         if platform.dtype not in (torch.bfloat16, torch.float16):
             return f"its GPU kernels take bfloat16 or float16, not {dtype_name}"
-        if quantization == "fp8" and (major, minor) < (8, 9):
-            return f"FP8 matmuls need compute capability 8.9 or later, not {major}.{minor}"
+        if quantization == "fp8" and fp8_matmul_unfit(platform.capability) is not None:
+            return fp8_matmul_unfit(platform.capability)
         if quantization != "fp8" and major < 8:
             return f"its Triton kernel needs compute capability 8.0 or later, not {major}.{minor}"
         if quantization != "fp8":

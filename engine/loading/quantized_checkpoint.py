@@ -1,12 +1,14 @@
 """A Hugging Face checkpoint whose config.json has a `quantization_config` (compressed-tensors,
 GPTQ, AWQ): its format detected, and its quantized linear weights read straight into the
 quantized kernel's layout (kernels/cpu/quant_layout), the fused q/k/v and gate/up rows joined;
-the rest (norms, embeddings, layers the config leaves dense, FP8 weights de-quantized once) as
-plain tensors through the model's own loader."""
+FP8 weights kept as stored where a GPU runs them (engine/loading/fp8_layers.py); the rest
+(norms, embeddings, layers the config leaves dense, FP8 weights de-quantized one layer at a time)
+through the model's own loader, lazily."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,13 @@ from transformers import PretrainedConfig
 from config import ConfigError
 from engine.errors import ModelLoadError
 from engine.loading.compressed_tensors import CompressedTensorsFormat, parse_compressed_tensors
+from engine.loading.fp8_layers import Fp8Layer, dequantized_one_by_one, place_fp8
 from engine.loading.gptq_awq import parse_gptq_awq
 from engine.loading.hub import safetensors_files
 from engine.loading.linear_format import LinearFormat
 from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
 from engine.models.base import DecoderModel
-from engine.models.layers.linear import CheckpointTensor, PackableLinear
+from engine.models.layers.linear import CheckpointTensor, PackableLinear, ParallelLMHead
 from kernels.cpu.quant_layout import QuantizedWeight
 
 # quant_method -> the --quantization names that agree with it.
@@ -85,7 +88,8 @@ class _Checkpoint:
 
 def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat) -> dict[str, int]:
     """Fill `model` from the checkpoint at `path`; counts of linear weights read as integers
-    (`quantized`) and de-quantized at load (`dequantized`)."""
+    (`quantized`), kept as the checkpoint's FP8 (`fp8`) and de-quantized at load
+    (`dequantized`)."""
     ckpt = _Checkpoint(path)
     layers: dict[str, set[str]] = {}
     for key in ckpt.where:
@@ -94,7 +98,8 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
     quantized = {p for p, names in layers.items() if fmt.stores_quantized(p, names)}
     _refuse_dense(model, layers, fmt, path)
     parts: dict[str, dict[str | None, QuantizedWeight]] = {}
-    dense: list[tuple[str, torch.Tensor]] = []
+    fp8: dict[str, dict[str | None, Fp8Layer]] = {}
+    dense: list[tuple[str, torch.Tensor | Fp8Layer]] = []
     for prefix in sorted(quantized):
         target = model._locate(f"{prefix}.weight")
         module = None if target is None else model.get_submodule(target[0].rpartition(".")[0])
@@ -123,15 +128,19 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
             raise ModelLoadError(
                 f"{path}: {prefix} ({fmt.method}) cannot be read: {type(exc).__name__}: {exc}"
             ) from exc
-        if isinstance(weight, torch.Tensor):
+        if isinstance(weight, Fp8Layer) and weight.kept and not isinstance(module, ParallelLMHead):
+            fp8.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
+        elif isinstance(weight, (torch.Tensor, Fp8Layer)):  # FP8 here: read as the model loads
             dense.append((f"{prefix}.weight", weight))
         else:
             parts.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
     place_quantized(model, parts, path)
-    model.load_weights([*_plain(ckpt, quantized), *dense])
+    place_fp8(model, fp8, path)
+    model.load_weights(chain(_plain(ckpt, quantized), dequantized_one_by_one(model, dense, path)))
     keep_quantized_biases(model)
     count = sum(len(found) for found in parts.values())
-    return {"quantized": count, "dequantized": len(dense)}
+    kept = sum(len(found) for found in fp8.values())
+    return {"quantized": count, "fp8": kept, "dequantized": len(dense)}
 
 
 def _refuse_dense(

@@ -6,8 +6,9 @@
 - int8: each weight quantized to int8 with a scale per output row (as on the CPU), run as
   W8A16 by the Triton kernel.
 - gguf, compressed-tensors, gptq, awq: the loader's integers (kernels/cpu/quant_layout's CPU
-  layout) repacked for the Triton kernel, never widened to bf16. (A checkpoint's FP8 weights are
-  de-quantized by its loader and stay dense here.)
+  layout) repacked for the Triton kernel, never widened to bf16. A checkpoint's FP8 weights come
+  from its loader already as `Fp8Weight`s (its e4m3 bytes, engine/loading/fp8_layers.py) and
+  are moved to the device unchanged (on a GPU below sm89 they were de-quantized and stay dense).
 
 The head stays in the activations' dtype for fp8 and int8, as vLLM keeps it: the logits are
 what sampling reads. A tied GGUF head runs on the embedding's de-quantized copy, which is
@@ -22,6 +23,7 @@ from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import PackableLinear, ParallelLMHead
 from kernels.cpu.quant_layout import QuantizedWeight, quantize, unpack
+from kernels.gpu_quant.fp8 import Fp8Weight
 from kernels.gpu_quant.weights import gpu_weight_unfit, to_gpu_weight
 
 
@@ -34,6 +36,13 @@ def quantize_for_gpu(model: CausalLM, quantization: str, device: torch.device) -
         if not isinstance(module, PackableLinear):
             continue
         source: QuantizedWeight | torch.Tensor
+        if isinstance(module.gpu_quantized, Fp8Weight):  # a checkpoint's FP8, as stored
+            stored = module.gpu_quantized
+            module.gpu_quantized = Fp8Weight(
+                stored.q.to(device), stored.scales.to(device), stored.activations
+            )
+            count += 1
+            continue
         if module.quantized is not None:  # a GGUF file's blocks
             source = unpack(module.quantized)
         elif module.weight is None or isinstance(module, ParallelLMHead):

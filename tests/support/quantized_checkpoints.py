@@ -43,9 +43,11 @@ def compress(
     fmt: str,
     group_size: int | None = None,
     ignore: tuple[str, ...] = ("lm_head",),
+    weight_strategy: str | None = None,
 ) -> Path:
     """`src` (a float32 folder) compressed with compressed-tensors' `preset` scheme (W4A16,
-    W4A16_ASYM, W8A16, FP8_DYNAMIC, ...) on every Linear, saved in `fmt`."""
+    W4A16_ASYM, W8A16, FP8_DYNAMIC, ...) on every Linear, saved in `fmt`; `weight_strategy`
+    overrides the preset's (FP8 with one scale per tensor: "tensor")."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -63,6 +65,8 @@ def compress(
     elif scheme.weights.type == "int":  # one scale per output row
         scheme.weights.group_size = None
         scheme.weights.strategy = "channel"
+    if weight_strategy is not None:
+        scheme.weights.strategy = weight_strategy
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
     )

@@ -1,0 +1,136 @@
+"""A checkpoint's FP8 (float8_e4m3fn) linear weights, two ways:
+
+- where an FP8 matmul runs (a GPU of compute capability 8.9+, as for --quantization fp8), each
+  linear keeps the checkpoint's own e4m3 bytes and scales, as an `Fp8Weight` that
+  engine/worker/gpu_quantize.py moves to the device; a fused layer's parts (q/k/v, gate/up) are
+  stacked by rows, each part's scale repeated over its rows, so a per-tensor scale becomes a
+  per-row one (the per-token activations take `_scaled_mm`'s row-wise path either way);
+- elsewhere (the CPU, older GPUs) each layer is read from the file and de-quantized into the
+  model's dtype only when the model's loader asks for it, one layer at a time.
+
+float32 holds an e4m3 value times a bf16 or float32 scale exactly (4 + 8 significant bits, or
+the scale's 24 rounded once), so de-quantizing in float32 row blocks and rounding once to the
+model's dtype gives what a whole float32 copy would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import CheckpointTensor, ColumnParallelLinear, PackableLinear
+from kernels.gpu_quant.fp8 import FP8, Fp8Weight
+
+# Rows de-quantized at a time: bounds the float32 scratch to a few MiB whatever the layer.
+ROWS_AT_A_TIME = 256
+
+
+@dataclass(frozen=True)
+class Fp8Stored:
+    """One checkpoint tensor's FP8 weight as stored."""
+
+    q: torch.Tensor  # float8_e4m3fn [n, k]: the file's bytes
+    scales: torch.Tensor  # float32 [n]: the row's scale (a per-tensor one repeated)
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != FP8 or self.q.dim() != 2:
+            raise ValueError(f"an FP8 weight is 2-D float8_e4m3fn, not {self.q.dtype}")
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != self.q.shape[:1]:
+            raise ValueError(f"scales {tuple(self.scales.shape)}: float32, one per row")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """q * scale, computed in float32 and rounded once to `dtype`."""
+        n = self.q.shape[0]
+        out = torch.empty(self.q.shape, dtype=dtype)
+        for start in range(0, n, ROWS_AT_A_TIME):
+            stop = min(start + ROWS_AT_A_TIME, n)
+            rows = self.q[start:stop].to(torch.float32) * self.scales[start:stop, None]
+            out[start:stop].copy_(rows)
+        return out
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """A linear's FP8 weight, not read yet: the format's reader and whether the platform's FP8
+    matmul runs it (else it is de-quantized on the way into the model)."""
+
+    prefix: str
+    read: Callable[[], Fp8Stored]
+    kept: bool
+
+
+def join_fp8(parts: list[Fp8Stored], what: str) -> Fp8Weight:
+    """Parts stacked by output rows, bytes unchanged, each row with its own part's scale."""
+    columns = {int(p.q.shape[1]) for p in parts}
+    if len(columns) != 1:
+        raise ModelLoadError(f"{what}: its parts have {sorted(columns)} input features")
+    q = torch.cat([p.q for p in parts]).contiguous()
+    scales = torch.cat([p.scales for p in parts]).contiguous()
+    n, k = q.shape
+    if n % 16 or k % 16:  # torch._scaled_mm's kernels on a GPU
+        raise ModelLoadError(
+            f"{what}: FP8 matmuls need both dimensions a multiple of 16, not [{n}, {k}]"
+        )
+    return Fp8Weight(q, scales, activations="token")
+
+
+def _stored(layer: Fp8Layer, path: Path) -> Fp8Stored:
+    try:
+        return layer.read()
+    except ModelLoadError as exc:
+        message = str(exc)
+        raise ModelLoadError(
+            message if message.startswith(str(path)) else f"{path}: {message}"
+        ) from exc
+    except (ValueError, IndexError, RuntimeError, TypeError) as exc:
+        raise ModelLoadError(
+            f"{path}: {layer.prefix} (FP8) cannot be read: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def place_fp8(
+    model: DecoderModel, parts: dict[str, dict[str | None, Fp8Layer]], path: Path
+) -> None:
+    """Each module's FP8 parts (keyed as the model's loader names them, as in
+    quantized_linears.place_quantized) read, joined and kept in it, one module at a time; its
+    float weight dropped."""
+    for module_name, found in parts.items():
+        module = model.get_submodule(module_name)
+        assert isinstance(module, PackableLinear) and module.weight is not None
+        if None in found or not isinstance(module, ColumnParallelLinear):
+            names: list[str | None] = [None]
+        else:
+            names = list(module.parts("weight"))
+        missing = [p for p in names if p not in found]
+        if missing:
+            raise ModelLoadError(f"{path}: {module_name} has no FP8 tensor for {missing}")
+        joined = join_fp8([_stored(found[p], path) for p in names], f"{path}: {module_name}")
+        if tuple(joined.q.shape) != tuple(module.weight.shape):
+            raise ModelLoadError(
+                f"{path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
+                f"says {tuple(module.weight.shape)}"
+            )
+        module.gpu_quantized = joined
+        module.register_parameter("weight", None)
+
+
+def dequantized_one_by_one(
+    model: DecoderModel,
+    weights: Iterable[tuple[str, torch.Tensor | Fp8Layer]],
+    path: Path,
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The weights as the model's loader consumes them: an FP8 layer is read and de-quantized
+    into its parameter's dtype only when its turn comes, so one layer's copy is alive at a
+    time."""
+    for name, weight in weights:
+        if not isinstance(weight, Fp8Layer):
+            yield name, weight
+            continue
+        target = model._locate(name)
+        assert target is not None  # the loader found its module before deferring it
+        dtype = model.get_parameter(target[0]).dtype
+        yield name, _stored(weight, path).dequantized(dtype)

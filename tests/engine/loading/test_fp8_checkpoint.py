@@ -1,0 +1,219 @@
+"""compressed-tensors FP8 checkpoints (e4m3 weights, FP8_DYNAMIC's per-token activations),
+written by compressed-tensors' own compressors from a tiny random Llama, per row and per tensor:
+
+- on a (mocked) Hopper the start-up keeps the checkpoint's e4m3 bytes, bit for bit, in FP8
+  linears (q/k/v and gate/up joined with each part's own scale on its rows), the layers that
+  `ignore` leaves dense stay dense, and a layer computes the float32 product of its
+  activations' FP8 rounding and the checkpoint's de-quantized weight, rounded once to bf16;
+- below sm89 the weights are de-quantized at load to the model's dtype, the log says so;
+- on the CPU they are de-quantized one layer at a time, as the model's loader consumes them.
+
+The mock (as in tests/engine/test_gpu_quantization.py) stands only for what needs CUDA: the
+device found and the compute capability; torch._scaled_mm runs on the CPU."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from config import EngineConfig
+from engine.distributed.shard import Shard
+from engine.loading import fp8_layers, model_spec
+from engine.loading.model_loader import load_model
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
+from engine.worker.gpu_quantize import quantize_for_gpu
+from kernels.attention.platform import Platform, import_error
+from kernels.gpu_quant.fp8 import Fp8Weight, quantize_activations
+from tests.support.models import build_random_model
+from tests.support.quantized_checkpoints import compress
+
+HOPPER, AMPERE = (9, 0), (8, 0)
+DENSE = "re:.*down_proj$"  # left dense by `ignore`: a mixed checkpoint
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    src = build_random_model(root / "src", "llama", "llama", vocab_size=512)
+    return {
+        "channel": compress(
+            src, root / "channel", "FP8_DYNAMIC", "float-quantized", ignore=("lm_head", DENSE)
+        ),
+        "tensor": compress(
+            src, root / "tensor", "FP8_DYNAMIC", "float-quantized", weight_strategy="tensor"
+        ),
+    }
+
+
+def _on_a_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(model_spec, "resolve_device", lambda name: "cuda")
+
+    def detect(device: str, dtype: torch.dtype, head_dim: int) -> Platform:
+        return Platform(device, dtype, head_dim, capability, import_error)
+
+    monkeypatch.setattr(model_spec.Platform, "detect", staticmethod(detect))
+
+
+def _loaded(folder: Path) -> tuple[DecoderModel, int]:
+    """Start-up as a runner takes it: the spec, the model (on the CPU), the GPU form."""
+    config = EngineConfig.model_validate({"model": {"model": str(folder), "dtype": "bfloat16"}})
+    spec = model_spec.resolve_model_spec(config)
+    model = load_model(spec, Shard(0, 1), torch.device("cpu"))
+    assert isinstance(model, DecoderModel) and spec.quantization == "compressed-tensors"
+    return model, quantize_for_gpu(model, spec.quantization, torch.device("cpu"))
+
+
+def _layers(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's linear tensors by layer prefix."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(folder / "model.safetensors")).items():
+        prefix, _, name = key.rpartition(".")
+        if prefix.rpartition(".")[2] in LINEARS:
+            layers.setdefault(prefix, {})[name] = tensor
+    return layers
+
+
+def _rows(model: DecoderModel, prefix: str) -> tuple[PackableLinear, slice]:
+    """Our module holding the checkpoint's linear `prefix`, and its rows there."""
+    name, part = model._locate(f"{prefix}.weight")  # type: ignore[misc]
+    module = model.get_submodule(name.rpartition(".")[0])
+    assert isinstance(module, PackableLinear)
+    if part is None:
+        return module, slice(None)
+    assert isinstance(module, ColumnParallelLinear)
+    count = next(p.count for p in module.part_list if p.name == part)
+    return module, slice(module.starts[part], module.starts[part] + count)
+
+
+def _dequantized(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    scale = tensors["weight_scale"].to(torch.float32).reshape(-1, 1)
+    return tensors["weight"].to(torch.float32) * scale
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_hopper_keeps_the_checkpoints_fp8_bytes(
+    folders: dict[str, Path],
+    strategy: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _on_a_gpu(monkeypatch, HOPPER)
+    with caplog.at_level(logging.INFO):
+        model, count = _loaded(folders[strategy])
+    assert "FP8 weights kept as stored, run through torch._scaled_mm" in caplog.text
+    kept = 12 if strategy == "channel" else 14  # checkpoint tensors, down_proj's or not
+    assert f"0 linear weights read as integers, {kept} kept as FP8, 0 de-quantized" in caplog.text
+    layers = _layers(folders[strategy])
+    fp8_modules = set()
+    for prefix, tensors in layers.items():
+        module, rows = _rows(model, prefix)
+        if strategy == "channel" and prefix.endswith("down_proj"):
+            assert "weight_scale" not in tensors, prefix  # `ignore` left it dense
+            assert module.gpu_quantized is None and module.weight is not None, prefix
+            assert torch.equal(module.weight, tensors["weight"].to(torch.bfloat16)), prefix
+            continue
+        assert module.weight is None and isinstance(module.gpu_quantized, Fp8Weight), prefix
+        stored = module.gpu_quantized
+        assert stored.q.dtype == torch.float8_e4m3fn, prefix
+        got = stored.q[rows].view(torch.uint8)
+        assert torch.equal(got, tensors["weight"].view(torch.uint8)), prefix
+        # Per row: the file's scale of each row; per tensor: the part's one scale on its rows.
+        want = tensors["weight_scale"].to(torch.float32).reshape(-1).expand(got.shape[0])
+        assert torch.equal(stored.scales[rows], want), prefix
+        fp8_modules.add(id(module))
+    # 2 layers x (qkv, o, gate_up[, down]): the modules the GPU step counted.
+    assert count == len(fp8_modules) == (6 if strategy == "channel" else 8)
+    if strategy == "tensor":  # q, k and v have scales of their own: the join kept each
+        qkv = model.get_submodule("layers.0.self_attn.qkv_proj")
+        assert isinstance(qkv.gpu_quantized, Fp8Weight)
+        assert len(set(qkv.gpu_quantized.scales.tolist())) == 3
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_an_fp8_layer_computes_its_fp8_operands_float32_product(
+    folders: dict[str, Path], strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _on_a_gpu(monkeypatch, HOPPER)
+    model, _ = _loaded(folders[strategy])
+    layers = _layers(folders[strategy])
+    parts = [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    weight = torch.cat([_dequantized(layers[p]) for p in parts])  # [96, 64] float32
+    module = model.get_submodule("layers.1.self_attn.qkv_proj")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = module(x).float()
+    xq, x_scales = quantize_activations(x, "token")
+    want = (xq.to(torch.float32) * x_scales) @ weight.t()
+    # One bf16 rounding of the float32 sums (summed in another order): within one unit in the
+    # last place of bf16 (8 significant bits).
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=1e-30))) - 7)
+    assert ((got - want).abs() <= ulp).all()
+    # The activations were rounded to FP8: the bf16 activations' product is further off.
+    plain = x.float() @ weight.t()
+    assert not ((got - plain).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_below_sm89_the_weights_are_dequantized_and_the_log_says_so(
+    folders: dict[str, Path],
+    strategy: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _on_a_gpu(monkeypatch, AMPERE)
+    with caplog.at_level(logging.INFO):
+        model, count = _loaded(folders[strategy])
+    assert "its FP8 weights are de-quantized at load (FP8 matmuls need compute capability " in (
+        caplog.text
+    )
+    assert "8.9 or later, not 8.0)" in caplog.text
+    assert count == 0
+    for prefix, tensors in _layers(folders[strategy]).items():
+        module, rows = _rows(model, prefix)
+        assert module.gpu_quantized is None and module.weight is not None, prefix
+        assert module.weight.dtype == torch.bfloat16, prefix
+        want = _dequantized(tensors) if "weight_scale" in tensors else tensors["weight"]
+        assert torch.equal(module.weight[rows], want.to(torch.bfloat16)), prefix
+
+
+def test_the_cpu_dequantizes_one_layer_as_the_model_loads_it(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each FP8 layer is de-quantized (into bf16) just when the model's loader takes it: the
+    k-th FP8 weight reaches the loader after exactly k de-quantizations, none ahead."""
+    made: list[torch.dtype] = []
+    dequantized = fp8_layers.Fp8Stored.dequantized
+
+    def counted(self: fp8_layers.Fp8Stored, dtype: torch.dtype) -> torch.Tensor:
+        made.append(dtype)
+        return dequantized(self, dtype)
+
+    seen: list[tuple[int, torch.dtype]] = []
+    load_weights = DecoderModel.load_weights
+
+    def watched(self: DecoderModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        assert not isinstance(weights, (list, tuple)), "a list holds every layer at once"
+
+        def through() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.rpartition(".")[0] in fp8_prefixes:
+                    seen.append((len(made), tensor.dtype))
+                yield name, tensor
+
+        load_weights(self, through())
+
+    fp8_prefixes = {p for p, t in _layers(folders["channel"]).items() if "weight_scale" in t}
+    monkeypatch.setattr(fp8_layers.Fp8Stored, "dequantized", counted)
+    monkeypatch.setattr(DecoderModel, "load_weights", watched)
+    config = EngineConfig.model_validate(
+        {"model": {"model": str(folders["channel"]), "dtype": "bfloat16", "device": "cpu"}}
+    )
+    load_model(model_spec.resolve_model_spec(config), Shard(0, 1), torch.device("cpu"))
+    assert len(fp8_prefixes) == 12  # 2 layers x (q, k, v, o, gate, up)
+    assert seen == [(k + 1, torch.bfloat16) for k in range(12)]
