@@ -57,7 +57,7 @@ def write_checkpoint(
     src: Path, dst: Path, dense: Path, layout: Layout, seed: int = 0
 ) -> dict[str, Expected]:
     """`src`'s linears replaced by random integers in `layout` (into `dst`), and by the weights
-    they stand for (into `dense`); each layer's expected values by its name."""
+    they stand for (into `dense`); each quantized layer's expected values by its name."""
     rng = np.random.default_rng(seed)
     shutil.copytree(src, dst)
     shutil.copytree(src, dense)
@@ -66,7 +66,12 @@ def write_checkpoint(
     plain = dict(tensors)
     expected: dict[str, Expected] = {}
     top = 1 << layout.bits
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+    # Layers the config leaves dense (AWQ's modules_to_not_convert: substrings of their names,
+    # as AutoAWQ matches them) keep their float weights in both folders.
+    listed = layout.extra.get("modules_to_not_convert")
+    skip = [str(s) for s in listed] if isinstance(listed, list) else []
+    linears = [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]
+    for name in [n for n in linears if not any(s in n for s in skip)]:
         prefix = name.removesuffix(".weight")
         n, k = tensors[name].shape
         group = k if layout.group_size == -1 else layout.group_size

@@ -22,7 +22,8 @@ from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import resolve_model_spec
-from engine.models.layers.linear import ColumnParallelLinear
+from engine.models.base import DecoderModel
+from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
 from kernels.cpu.quant_layout import unpack
 from tests.support.gptq_awq_checkpoints import Expected, Layout, write_checkpoint
 from tests.support.models import build_random_model, hf_greedy
@@ -86,6 +87,42 @@ def test_float32_greedy_equals_transformers_on_the_weights_they_stand_for(served
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in served.llm.generate(PROMPTS, params)]
     assert got == hf_greedy(served.dense, PROMPTS, MAX_TOKENS)
+
+
+def test_awq_modules_to_not_convert_stay_dense(src: Path, tmp_path: Path) -> None:
+    """Layers that AWQ's modules_to_not_convert names (substrings: every down_proj, all of
+    layer 1's attention, q/k/v fused among them) are read as the dense weights they are, the
+    rest as integers; the float32 tokens are transformers' on the same weights."""
+    skip = ["layers.1.self_attn", "down_proj"]
+    layout = Layout("awq", 4, 32, extra={"modules_to_not_convert": skip})
+    expected = write_checkpoint(src, tmp_path / "awq", tmp_path / "dense", layout)
+    dense = {
+        k.removesuffix(".weight"): t
+        for k, t in load_file(str(tmp_path / "dense" / "model.safetensors")).items()
+        if k.endswith("_proj.weight")
+    }
+    assert len(dense) == 2 * 7 and len(expected) == 2 * 7 - 4 - 2
+    with LLM(str(tmp_path / "awq"), **ENGINE) as llm:
+        model = llm.engine.executor.runner.model
+        assert isinstance(model, DecoderModel)
+        for prefix, weight in dense.items():
+            name, part = model._locate(f"{prefix}.weight")  # type: ignore[misc]
+            module = model.get_submodule(name.rpartition(".")[0])
+            assert isinstance(module, PackableLinear)
+            rows = slice(None)
+            if part is not None:
+                assert isinstance(module, ColumnParallelLinear)
+                start = module.starts[part]
+                rows = slice(start, start + weight.shape[0])
+            if prefix in expected:
+                assert module.weight is None and module.quantized is not None, prefix
+                assert torch.equal(unpack(module.quantized).dequantize()[rows], weight), prefix
+            else:
+                assert module.quantized is None and module.weight is not None, prefix
+                assert torch.equal(module.weight[rows], weight), prefix
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == hf_greedy(tmp_path / "dense", PROMPTS, MAX_TOKENS)
 
 
 # ---------------------------------------------------------------- refused at start-up
