@@ -50,6 +50,9 @@ CASES = {
     "w4a16": Case("W4A16", "pack-quantized", 32, ignore=("lm_head", "re:.*down_proj$")),
     # Asymmetric int4 (packed zero points) on Qwen2: q/k/v bias, tied head.
     "w4a16-asym": Case("W4A16_ASYM", "pack-quantized", 32, arch="qwen2"),
+    # Groups of 128, as llm-compressor's W4A16 default: a Llama 128 wide (one group a row) with
+    # an MLP 256 wide (two).
+    "w4a16-g128": Case("W4A16", "pack-quantized", 128, arch="llama-wide"),
     "w8a16-packed": Case("W8A16", "pack-quantized", 32),
     "w8a16-int-channel": Case("W8A16", "int-quantized", None),
     "fp8-dynamic": Case("FP8_DYNAMIC", "float-quantized", None),
@@ -62,6 +65,15 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {
         "llama": build_random_model(root / "llama", "llama", "llama", vocab_size=512),
         "qwen2": build_random_model(root / "qwen2", "qwen2", "qwen", vocab_size=512),
+        "llama-wide": build_random_model(
+            root / "llama-wide",
+            "llama",
+            "llama",
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            head_dim=32,
+        ),
     }
 
 
@@ -116,6 +128,7 @@ def test_weights_dequantize_bit_for_bit_to_transformers_decompression(served: Se
         else:
             assert module.weight is None and module.quantized is not None, name
             assert module.quantized.bits == served.case.bits, name
+            assert unpack(module.quantized).group == (served.case.group_size or got.shape[1])
             kinds.add(f"int{module.quantized.bits}")
     expected = {"dense"} if served.case.bits is None else {f"int{served.case.bits}"}
     if "re:.*down_proj$" in served.case.ignore:
