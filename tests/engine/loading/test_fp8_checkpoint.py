@@ -14,15 +14,17 @@ device found and the compute capability; torch._scaled_mm runs on the CPU."""
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from config import EngineConfig
 from engine.distributed.shard import Shard
+from engine.errors import ModelLoadError
 from engine.loading import fp8_layers, model_spec
 from engine.loading.model_loader import load_model
 from engine.models.base import DecoderModel
@@ -46,8 +48,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "channel": compress(
             src, root / "channel", "FP8_DYNAMIC", "float-quantized", ignore=("lm_head", DENSE)
         ),
+        # The head quantized too: it is de-quantized, as the head stays in the model's dtype.
         "tensor": compress(
-            src, root / "tensor", "FP8_DYNAMIC", "float-quantized", weight_strategy="tensor"
+            src,
+            root / "tensor",
+            "FP8_DYNAMIC",
+            "float-quantized",
+            ignore=(),
+            weight_strategy="tensor",
         ),
     }
 
@@ -92,6 +100,10 @@ def _rows(model: DecoderModel, prefix: str) -> tuple[PackableLinear, slice]:
     return module, slice(module.starts[part], module.starts[part] + count)
 
 
+def _scale(file: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {"weight_scale": file[f"{prefix}.weight_scale"]}
+
+
 def _dequantized(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     scale = tensors["weight_scale"].to(torch.float32).reshape(-1, 1)
     return tensors["weight"].to(torch.float32) * scale
@@ -108,8 +120,10 @@ def test_hopper_keeps_the_checkpoints_fp8_bytes(
     with caplog.at_level(logging.INFO):
         model, count = _loaded(folders[strategy])
     assert "FP8 weights kept as stored, run through torch._scaled_mm" in caplog.text
-    kept = 12 if strategy == "channel" else 14  # checkpoint tensors, down_proj's or not
-    assert f"0 linear weights read as integers, {kept} kept as FP8, 0 de-quantized" in caplog.text
+    # Checkpoint tensors: without down_proj's, or with them and the head (de-quantized).
+    kept, head = (12, 0) if strategy == "channel" else (14, 1)
+    counts = f"0 linear weights read as integers, {kept} kept as FP8, {head} de-quantized"
+    assert counts in caplog.text
     layers = _layers(folders[strategy])
     fp8_modules = set()
     for prefix, tensors in layers.items():
@@ -134,6 +148,11 @@ def test_hopper_keeps_the_checkpoints_fp8_bytes(
         qkv = model.get_submodule("layers.0.self_attn.qkv_proj")
         assert isinstance(qkv.gpu_quantized, Fp8Weight)
         assert len(set(qkv.gpu_quantized.scales.tolist())) == 3
+        file = load_file(str(folders[strategy] / "model.safetensors"))
+        head = model.get_submodule("lm_head")
+        assert isinstance(head, PackableLinear) and head.gpu_quantized is None
+        want = _dequantized({"weight": file["lm_head.weight"], **_scale(file, "lm_head")})
+        assert head.weight is not None and torch.equal(head.weight, want.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
@@ -217,3 +236,33 @@ def test_the_cpu_dequantizes_one_layer_as_the_model_loads_it(
     load_model(model_spec.resolve_model_spec(config), Shard(0, 1), torch.device("cpu"))
     assert len(fp8_prefixes) == 12  # 2 layers x (q, k, v, o, gate, up)
     assert seen == [(k + 1, torch.bfloat16) for k in range(12)]
+
+
+@pytest.mark.parametrize("capability", [HOPPER, None], ids=["hopper", "cpu"])
+def test_a_misshapen_scale_is_refused_naming_the_file_and_tensor(
+    folders: dict[str, Path],
+    capability: tuple[int, int] | None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    folder = Path(shutil.copytree(folders["channel"], tmp_path / "copy"))
+    key = "model.layers.1.mlp.up_proj.weight_scale"
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if capability is not None:
+        _on_a_gpu(monkeypatch, capability)
+    with pytest.raises(ModelLoadError, match=rf"copy: tensor {key} is \(127, 1\)"):
+        _loaded(folder)
+
+
+def test_fp8_parts_that_the_matmul_cannot_take_are_refused() -> None:
+    def part(n: int, k: int) -> fp8_layers.Fp8Stored:
+        return fp8_layers.Fp8Stored(torch.zeros(n, k).to(torch.float8_e4m3fn), torch.ones(n))
+
+    joined = fp8_layers.join_fp8([part(32, 64), part(16, 64)], "qkv")
+    assert tuple(joined.q.shape) == (48, 64) and joined.activations == "token"
+    with pytest.raises(ModelLoadError, match=r"qkv: FP8 matmuls need both dimensions a "):
+        fp8_layers.join_fp8([part(32, 64), part(8, 64)], "qkv")
+    with pytest.raises(ModelLoadError, match=r"qkv: its parts have \[32, 64\] input features"):
+        fp8_layers.join_fp8([part(32, 64), part(16, 32)], "qkv")
