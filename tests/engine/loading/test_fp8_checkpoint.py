@@ -100,10 +100,6 @@ def _rows(model: DecoderModel, prefix: str) -> tuple[PackableLinear, slice]:
     return module, slice(module.starts[part], module.starts[part] + count)
 
 
-def _scale(file: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {"weight_scale": file[f"{prefix}.weight_scale"]}
-
-
 def _dequantized(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     scale = tensors["weight_scale"].to(torch.float32).reshape(-1, 1)
     return tensors["weight"].to(torch.float32) * scale
@@ -121,8 +117,8 @@ def test_hopper_keeps_the_checkpoints_fp8_bytes(
         model, count = _loaded(folders[strategy])
     assert "FP8 weights kept as stored, run through torch._scaled_mm" in caplog.text
     # Checkpoint tensors: without down_proj's, or with them and the head (de-quantized).
-    kept, head = (12, 0) if strategy == "channel" else (14, 1)
-    counts = f"0 linear weights read as integers, {kept} kept as FP8, {head} de-quantized"
+    kept, dense = (12, 0) if strategy == "channel" else (14, 1)
+    counts = f"0 linear weights read as integers, {kept} kept as FP8, {dense} de-quantized"
     assert counts in caplog.text
     layers = _layers(folders[strategy])
     fp8_modules = set()
@@ -151,7 +147,9 @@ def test_hopper_keeps_the_checkpoints_fp8_bytes(
         file = load_file(str(folders[strategy] / "model.safetensors"))
         head = model.get_submodule("lm_head")
         assert isinstance(head, PackableLinear) and head.gpu_quantized is None
-        want = _dequantized({"weight": file["lm_head.weight"], **_scale(file, "lm_head")})
+        want = _dequantized(
+            {k.removeprefix("lm_head."): t for k, t in file.items() if "lm_head" in k}
+        )
         assert head.weight is not None and torch.equal(head.weight, want.to(torch.bfloat16))
 
 
