@@ -25,8 +25,9 @@ from engine.models.base import DecoderModel
 from engine.models.layers.linear import CheckpointTensor, ColumnParallelLinear, PackableLinear
 from kernels.gpu_quant.fp8 import FP8, Fp8Weight
 
-# Rows de-quantized at a time: bounds the float32 scratch to a few MiB whatever the layer.
-ROWS_AT_A_TIME = 256
+# Values de-quantized at a time: bounds the float32 scratch to 4 MiB whatever the layer, in few
+# enough steps that a small model's layers take one each.
+VALUES_AT_A_TIME = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,11 @@ class Fp8Stored:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """q * scale, computed in float32 and rounded once to `dtype`."""
-        n = self.q.shape[0]
+        n, k = self.q.shape
         out = torch.empty(self.q.shape, dtype=dtype)
-        for start in range(0, n, ROWS_AT_A_TIME):
-            stop = min(start + ROWS_AT_A_TIME, n)
+        step = max(1, VALUES_AT_A_TIME // max(k, 1))
+        for start in range(0, n, step):
+            stop = min(start + step, n)
             rows = self.q[start:stop].to(torch.float32) * self.scales[start:stop, None]
             out[start:stop].copy_(rows)
         return out
