@@ -51,6 +51,9 @@ class WeightScheme:
     symmetric: bool
     strategy: str
     group_size: int | None
+    # FP8 weights whose activations the checkpoint declares dynamic FP8 (FP8_DYNAMIC); without
+    # them a checkpoint means 16-bit activations (weight-only FP8).
+    fp8_activations: bool = False
 
 
 def _matches(target: str, prefix: str) -> bool:
@@ -87,8 +90,10 @@ class CompressedTensorsFormat:
         ]
         how = "integers read as stored"
         if self.has_float:
-            if self.fp8_kernel:
+            if self.fp8_kernel and any(s.fp8_activations for s in self.schemes):
                 how = "FP8 weights kept as stored, run through torch._scaled_mm (FP8 activations per token)"
+                if not all(s.fp8_activations for s in self.schemes if s.type == "float"):
+                    how += "; weight-only FP8 schemes de-quantized at load"
             else:  # say where the memory and speed went
                 how = "FP8 weights de-quantized at load to the model's dtype (no FP8 matmul here)"
         return f"compressed-tensors ({', '.join(parts)}): {how}"
@@ -120,9 +125,10 @@ class CompressedTensorsFormat:
             )
         if scheme.type == "float":
             # Read when the loader asks: placed as FP8, or de-quantized as the model loads.
-            return Fp8Layer(
-                prefix, lambda: _float_weight(prefix, scheme, tensors), kept=self.fp8_kernel
-            )
+            # Weight-only FP8 is not run as FP8 x FP8: that would quantize the activations the
+            # checkpoint keeps in 16 bits.
+            kept = self.fp8_kernel and scheme.fp8_activations
+            return Fp8Layer(prefix, lambda: _float_weight(prefix, scheme, tensors), kept=kept)
         return _int_weight(prefix, scheme, tensors)
 
 
@@ -245,7 +251,17 @@ def _scheme(where: str, name: str, group: dict[str, Any], fallback: str | None) 
     for target in targets:
         if target != "Linear" and not target.startswith("re:") and target[:1].isupper():
             raise _field(where, f"{path}.targets", targets, "Linear layers only")
-    return WeightScheme(name, fmt, tuple(targets), int(bits), kind, symmetric, strategy, group_size)
+    return WeightScheme(
+        name,
+        fmt,
+        tuple(targets),
+        int(bits),
+        kind,
+        symmetric,
+        strategy,
+        group_size,
+        fp8_activations=acts is not None,  # only dynamic FP8 ones get this far
+    )
 
 
 def parse_compressed_tensors(config: dict[str, Any], where: str) -> CompressedTensorsFormat:

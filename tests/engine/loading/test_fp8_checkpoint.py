@@ -13,6 +13,7 @@ device found and the compute capability; torch._scaled_mm runs on the CPU."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Iterable, Iterator
@@ -174,6 +175,33 @@ def test_an_fp8_layer_computes_its_fp8_operands_float32_product(
     # The activations were rounded to FP8: the bf16 activations' product is further off.
     plain = x.float() @ weight.t()
     assert not ((got - plain).abs() <= ulp).all()
+
+
+def test_weight_only_fp8_keeps_16_bit_activations_on_hopper(
+    folders: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checkpoint that declares no activation quantization means FP8 weights with 16-bit
+    activations: _scaled_mm would round the activations to FP8 too, so its weights are
+    de-quantized instead, exactly."""
+    folder = tmp_path / "weight-only"
+    shutil.copytree(folders["channel"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        assert group.pop("input_activations") is not None  # FP8_DYNAMIC declared them
+    (folder / "config.json").write_text(json.dumps(config))
+    _on_a_gpu(monkeypatch, HOPPER)
+    with caplog.at_level(logging.INFO):
+        model, count = _loaded(folder)
+    assert "0 linear weights read as integers, 0 kept as FP8, 12 de-quantized" in caplog.text
+    assert count == 0
+    for prefix, tensors in _layers(folder).items():
+        module, rows = _rows(model, prefix)
+        assert module.gpu_quantized is None and module.weight is not None, prefix
+        want = _dequantized(tensors) if "weight_scale" in tensors else tensors["weight"]
+        assert torch.equal(module.weight[rows], want.to(torch.bfloat16)), prefix
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
