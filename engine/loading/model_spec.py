@@ -147,7 +147,8 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
             quantization, platform, info, tp_size, config.model.batch_invariant
         )
         if why_not is not None:
-            raise ConfigError(f"--quantization {quantization}: {why_not}")
+            what = quantization_source(config.model.quantization, path, gguf_file, linear_format)
+            raise ConfigError(f"{what}: {why_not}")
         if linear_format is not None:
             linear_format = fp8_for_platform(linear_format, platform.capability)
             log.info("weights: %s", linear_format.describe())
@@ -240,6 +241,19 @@ def fp8_for_platform(fmt: LinearFormat, capability: tuple[int, int] | None) -> L
     if why_not is not None and capability is not None:  # a GPU: say where the speed went
         log.warning("FP8 checkpoint: its FP8 weights are de-quantized at load (%s)", why_not)
     return replace(fmt, fp8_kernel=why_not is None)
+
+
+def quantization_source(
+    named: str | None, path: Path, gguf_file: Path | None, linear_format: LinearFormat | None
+) -> str:
+    """What asked for the quantization, for a refusal to name: the flag, or, without it, the
+    file it was detected from (a user who gave no flag looks for the cause in the model)."""
+    if named is not None:
+        return f"--quantization {named}"
+    if linear_format is not None:
+        return f"{path}: a {linear_format.method} checkpoint (config.json's quantization_config)"
+    assert gguf_file is not None  # the only other way a quantization is set without the flag
+    return f"{gguf_file}: a GGUF file (its blocks are the weights)"
 
 
 def quantization_unfit(

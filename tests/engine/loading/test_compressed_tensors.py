@@ -280,11 +280,27 @@ def test_the_fp8_flag_names_an_fp8_checkpoint(sources, tmp_path: Path) -> None:
     _load(folder, quantization="fp8")
 
 
-def test_the_quantized_kernels_limits_apply(w4_folder: Path) -> None:
-    with pytest.raises(
-        ConfigError, match="--quantization compressed-tensors: not with --batch-invariant"
-    ):
-        _load(w4_folder, dtype="bfloat16", batch_invariant=True)
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (
+            {"batch_invariant": True},
+            "not with --batch-invariant (its kernel's order depends on the batch's rows)",
+        ),
+        ({"tensor_parallel_size": 2}, "it runs on one rank, not --tensor-parallel-size > 1"),
+    ],
+)
+def test_the_quantized_kernels_limits_apply(
+    w4_folder: Path, flags: dict[str, object], why: str
+) -> None:
+    # No --quantization: the refusal names the checkpoint the format was detected from.
+    where = f"{w4_folder}: a compressed-tensors checkpoint (config.json's quantization_config)"
+    with pytest.raises(ConfigError) as info:
+        _load(w4_folder, dtype="bfloat16", **flags)
+    assert str(info.value) == f"{where}: {why}"
+    with pytest.raises(ConfigError) as info:  # the flag named: the flag is the cause
+        _load(w4_folder, dtype="bfloat16", quantization="compressed-tensors", **flags)
+    assert str(info.value) == f"--quantization compressed-tensors: {why}"
 
 
 # ---------------------------------------------------------------- accuracy against the original
