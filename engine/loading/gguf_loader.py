@@ -8,6 +8,7 @@ others (often Q6_K in a K-quant file)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,46 +17,46 @@ from transformers import PretrainedConfig
 from engine.errors import ModelLoadError
 from engine.loading.gguf_checkpoint import (
     QUANTIZED,
+    GGUFTensor,
     dense,
     quantized,
     read_tensors,
     unpermute_dense,
     unpermute_rows,
 )
-from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
+from engine.loading.quantized_linears import QuantizedPlacer, keep_quantized_biases
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear
-from kernels.cpu.quant_layout import QuantizedWeight, pack
+from kernels.cpu.quant_layout import pack
 
 log = logging.getLogger(__name__)
 
 
-def load_gguf(model: DecoderModel, path: Path, hf_config: PretrainedConfig) -> dict[str, int]:
-    """Fill `model` from `path`; the count of tensors read per GGUF type."""
+def load_gguf(
+    model: DecoderModel, path: Path, hf_config: PretrainedConfig, device: torch.device
+) -> dict[str, int]:
+    """Fill `model`, built on the meta device, from `path`; the count of tensors read per GGUF
+    type. The quantized linears are packed first, each module as soon as its parts are read,
+    while the model is on meta, so that their float weights are never allocated; then the
+    parameters that stay dense are allocated on `device` and read from the (memory-mapped)
+    file one tensor at a time (the embedding is de-quantized in float32 only while it is
+    copied)."""
     heads = {
         "self_attn.q_proj": int(hf_config.num_attention_heads),
         "self_attn.k_proj": int(hf_config.num_key_value_heads),
     }
-    plain: list[tuple[str, torch.Tensor]] = []
-    parts: dict[str, dict[str | None, QuantizedWeight]] = {}
-    head: QuantizedWeight | None = None
+    placer = QuantizedPlacer(model, path)
+    later: list[GGUFTensor] = []  # views of the mapped file: nothing read yet
     counts: dict[str, int] = {}
     for tensor in read_tensors(path):
         counts[tensor.type] = counts.get(tensor.type, 0) + 1
-        permute = next((h for key, h in heads.items() if f".{key}." in tensor.hf_name), None)
         if tensor.type not in QUANTIZED:
-            value = dense(tensor)
-            plain.append(
-                (tensor.hf_name, value if permute is None else unpermute_dense(value, permute))
-            )
+            later.append(tensor)
             continue
-        weight = quantized(tensor)
-        if permute is not None:
-            weight = unpermute_rows(weight, permute)
         if tensor.hf_name == "model.embed_tokens.weight":
-            plain.append((tensor.hf_name, weight.dequantize()))  # the lookup reads rows whole
-            if model.tie_word_embeddings:
-                head = weight
+            later.append(tensor)
+            if model.tie_word_embeddings:  # the head keeps the embedding's blocks
+                model.lm_head_quantized = pack(quantized(tensor))
             continue
         target = model._locate(tensor.hf_name)
         if target is None:
@@ -68,10 +69,30 @@ def load_gguf(model: DecoderModel, path: Path, hf_config: PretrainedConfig) -> d
                 f"{path}: tensor {tensor.name} is {tensor.type}, which pagedserve reads only for "
                 "linear weights"
             )
-        parts.setdefault(module_name, {})[part] = weight
-    place_quantized(model, parts, path)
-    model.load_weights(plain)
+        weight = quantized(tensor)
+        permute = _permuted_heads(tensor.hf_name, heads)
+        placer.add(
+            module_name, part, weight if permute is None else unpermute_rows(weight, permute)
+        )
+    placer.finish()
+    model.to_empty(device=device)  # only what stays dense: the packed layers have no weight
+    model.load_weights(_plain(later, heads))
     keep_quantized_biases(model)
-    if head is not None:
-        model.lm_head_quantized = pack(head)
     return counts
+
+
+def _permuted_heads(hf_name: str, heads: dict[str, int]) -> int | None:
+    """The heads of a q or k weight (whose rows llama.cpp's converter permuted), else None."""
+    return next((h for key, h in heads.items() if f".{key}." in hf_name), None)
+
+
+def _plain(tensors: list[GGUFTensor], heads: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that stay dense (norms, the embedding de-quantized: the lookup reads rows
+    whole), read one at a time."""
+    for tensor in tensors:
+        if tensor.type in QUANTIZED:
+            yield tensor.hf_name, quantized(tensor).dequantize()
+            continue
+        value = dense(tensor)
+        permute = _permuted_heads(tensor.hf_name, heads)
+        yield tensor.hf_name, value if permute is None else unpermute_dense(value, permute)

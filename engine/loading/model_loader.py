@@ -39,8 +39,9 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
     with torch.device("meta"):
         model = model_class(spec.architecture)(spec.hf_config, shard)
     # The dtype first, on meta: materializing float32 and converting after would hold both.
-    module = cast(torch.nn.Module, model).to(spec.dtype).to_empty(device=device).eval()
-    model = cast(CausalLM, module)
+    # The model stays on meta until its loader has dropped the weights it keeps quantized, so
+    # that `to_empty` allocates only what stays dense.
+    module = cast(torch.nn.Module, model).to(spec.dtype)
     source: Path = spec.path
     if spec.gguf_file is not None:
         from engine.loading.gguf_loader import load_gguf
@@ -48,7 +49,7 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
 
         if not isinstance(model, DecoderModel):
             raise ModelLoadError(f"{spec.gguf_file}: GGUF weights are read for decoder models")
-        counts = load_gguf(model, spec.gguf_file, spec.hf_config)
+        counts = load_gguf(model, spec.gguf_file, spec.hf_config, device)
         source = spec.gguf_file
         log.info(
             "GGUF tensors read as stored: %s", ", ".join(f"{n} {t}" for t, n in counts.items())
@@ -59,7 +60,7 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
 
         if not isinstance(model, DecoderModel):
             raise ModelLoadError(f"{spec.path}: quantized checkpoints are read for decoder models")
-        counts = load_quantized_checkpoint(model, spec.path, spec.linear_format)
+        counts = load_quantized_checkpoint(model, spec.path, spec.linear_format, device)
         log.info(
             "%s: %d linear weights read as integers, %d kept as FP8, %d de-quantized at load (FP8)",
             spec.linear_format.method,
@@ -68,7 +69,9 @@ def load_model(spec: ModelSpec, shard: Shard, device: torch.device) -> CausalLM:
             counts["dequantized"],
         )
     else:
+        module.to_empty(device=device)
         model.load_weights(iter_safetensors(spec.path))
+    module.eval()
     where = f", rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
     log.info("loaded %s (%s, %s%s) from %s", spec.architecture, spec.dtype, device, where, source)
     return model

@@ -23,10 +23,9 @@ from engine.loading.fp8_layers import Fp8Layer, dequantized_one_by_one, place_fp
 from engine.loading.gptq_awq import parse_gptq_awq
 from engine.loading.hub import safetensors_files
 from engine.loading.linear_format import LinearFormat
-from engine.loading.quantized_linears import keep_quantized_biases, place_quantized
+from engine.loading.quantized_linears import QuantizedPlacer, keep_quantized_biases
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import CheckpointTensor, PackableLinear, ParallelLMHead
-from kernels.cpu.quant_layout import QuantizedWeight
 
 # quant_method -> the --quantization names that agree with it.
 METHODS = {"compressed-tensors": ("compressed-tensors",), "gptq": ("gptq",), "awq": ("awq",)}
@@ -86,10 +85,14 @@ class _Checkpoint:
         return self.files[self.where[key]].get_tensor(key)
 
 
-def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat) -> dict[str, int]:
-    """Fill `model` from the checkpoint at `path`; counts of linear weights read as integers
-    (`quantized`), kept as the checkpoint's FP8 (`fp8`) and de-quantized at load
-    (`dequantized`)."""
+def load_quantized_checkpoint(
+    model: DecoderModel, path: Path, fmt: LinearFormat, device: torch.device
+) -> dict[str, int]:
+    """Fill `model`, built on the meta device, from the checkpoint at `path`: the integer
+    layers are packed first, one module at a time, and FP8 layers kept as stored where a GPU
+    runs them; then the parameters that stay dense are allocated on `device` and read (FP8 ones
+    de-quantized one at a time). Counts of linear weights read as integers (`quantized`), kept
+    as the checkpoint's FP8 (`fp8`) and de-quantized at load (`dequantized`)."""
     ckpt = _Checkpoint(path)
     layers: dict[str, set[str]] = {}
     for key in ckpt.where:
@@ -97,10 +100,12 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
         layers.setdefault(prefix, set()).add(name)
     quantized = {p for p, names in layers.items() if fmt.stores_quantized(p, names)}
     _refuse_dense(model, layers, fmt, path)
-    parts: dict[str, dict[str | None, QuantizedWeight]] = {}
+    placer = QuantizedPlacer(model, path)
     fp8: dict[str, dict[str | None, Fp8Layer]] = {}
     dense: list[tuple[str, torch.Tensor | Fp8Layer]] = []
-    for prefix in sorted(quantized):
+    # A module's parts one after another (q, k, v apart from o): each module is packed as soon
+    # as its last part is read.
+    for prefix in sorted(quantized, key=lambda p: (_module_of(model, p), p)):
         target = model._locate(f"{prefix}.weight")
         module = None if target is None else model.get_submodule(target[0].rpartition(".")[0])
         if not isinstance(module, PackableLinear):
@@ -133,14 +138,20 @@ def load_quantized_checkpoint(model: DecoderModel, path: Path, fmt: LinearFormat
         elif isinstance(weight, (torch.Tensor, Fp8Layer)):  # FP8 here: read as the model loads
             dense.append((f"{prefix}.weight", weight))
         else:
-            parts.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
-    place_quantized(model, parts, path)
+            placer.add(target[0].rpartition(".")[0], target[1], weight)
+    placer.finish()
     place_fp8(model, fp8, path)
+    model.to_empty(device=device)  # only what stays dense: the placed layers have no weight
     model.load_weights(chain(_plain(ckpt, quantized), dequantized_one_by_one(model, dense, path)))
     keep_quantized_biases(model)
-    count = sum(len(found) for found in parts.values())
     kept = sum(len(found) for found in fp8.values())
-    return {"quantized": count, "fp8": kept, "dequantized": len(dense)}
+    return {"quantized": placer.count, "fp8": kept, "dequantized": len(dense)}
+
+
+def _module_of(model: DecoderModel, prefix: str) -> str:
+    """The model's module that a checkpoint layer's weight goes to ("" where none)."""
+    target = model._locate(f"{prefix}.weight")
+    return "" if target is None else target[0].rpartition(".")[0]
 
 
 def _refuse_dense(

@@ -1,6 +1,7 @@
 """Quantized weights into a loaded-shape model, whatever file they came from (GGUF blocks, a
 quantized checkpoint's integers): the parts of a fused layer (q/k/v, gate/up) joined by rows,
-checked against the layer's shape, packed for the CPU kernel, and the float weight dropped."""
+checked against the layer's shape, packed for the CPU kernel, and the float weight dropped
+while the model is still on the meta device, so that it is never allocated."""
 
 from __future__ import annotations
 
@@ -40,25 +41,55 @@ def join_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
     )
 
 
-def place_quantized(
-    model: DecoderModel, parts: dict[str, dict[str | None, QuantizedWeight]], path: Path
-) -> None:
-    """Each module's parts (keyed as the model's loader names them; None: the whole layer, or a
-    tensor that already fuses every part, as Phi-3's qkv) joined and packed into it."""
-    for module_name, found in parts.items():
-        module = model.get_submodule(module_name)
-        assert isinstance(module, PackableLinear) and module.weight is not None
+class QuantizedPlacer:
+    """Packs each quantized module into the model as soon as all its parts are read (q/k/v,
+    gate/up), so at most the module being read has its unpacked integers (a byte a weight)
+    alive. Meant for a model still on the meta device: the module's weight, whose shape is
+    checked, is dropped before `to_empty` would allocate it densely."""
+
+    def __init__(self, model: DecoderModel, path: Path) -> None:
+        self.model, self.path = model, path
+        self.pending: dict[str, dict[str | None, QuantizedWeight]] = {}
+        self.placed: set[str] = set()
+        self.count = 0  # the tensors packed (a fused module's parts one each)
+
+    def add(self, module_name: str, part: str | None, weight: QuantizedWeight) -> None:
+        """One tensor's integers (keyed as the model's loader names its part; None: the whole
+        layer, or a tensor that already fuses every part, as Phi-3's qkv)."""
+        if module_name in self.placed:
+            raise ModelLoadError(f"{self.path}: {module_name} ({part}) is stored twice")
+        found = self.pending.setdefault(module_name, {})
+        found[part] = weight
+        names = self._names(module_name, found)
+        if all(p in found for p in names):
+            self._place(module_name, [found[p] for p in names])
+            self.count += len(found)
+            del self.pending[module_name]
+
+    def finish(self) -> None:
+        """Every module whose tensors were read is packed: a ModelLoadError for one missing a
+        part."""
+        for module_name, found in self.pending.items():
+            missing = [p for p in self._names(module_name, found) if p not in found]
+            raise ModelLoadError(
+                f"{self.path}: {module_name} has no quantized tensor for {missing}"
+            )
+
+    def _names(
+        self, module_name: str, found: dict[str | None, QuantizedWeight]
+    ) -> list[str | None]:
+        module = self.model.get_submodule(module_name)
         if None in found or not isinstance(module, ColumnParallelLinear):
-            names: list[str | None] = [None]
-        else:
-            names = list(module.parts("weight"))
-        missing = [p for p in names if p not in found]
-        if missing:
-            raise ModelLoadError(f"{path}: {module_name} has no quantized tensor for {missing}")
-        joined = join_rows([found[p] for p in names], module_name)
+            return [None]
+        return list(module.parts("weight"))
+
+    def _place(self, module_name: str, parts: list[QuantizedWeight]) -> None:
+        module = self.model.get_submodule(module_name)
+        assert isinstance(module, PackableLinear) and module.weight is not None
+        joined = join_rows(parts, module_name)
         if tuple(joined.q.shape) != tuple(module.weight.shape):
             raise ModelLoadError(
-                f"{path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
+                f"{self.path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
                 f"says {tuple(module.weight.shape)}"
             )
         module.quantized = pack(joined)
