@@ -51,9 +51,12 @@ class QuantizedWeight:
         """The float32 weight these stand for (q * scale + min), the kernel's reference."""
         n, k = self.q.shape
         groups = self.scales.shape[1]
-        values = self.q.to(torch.float32).view(n, groups, k // groups) * self.scales.unsqueeze(-1)
+        values = self.q.to(torch.float32).view(n, groups, k // groups)
+        # In place, the same float32 operations: a new tensor per step would hold two or three
+        # of the result's size at once (a de-quantized embedding at load is 100+ MB).
+        values.mul_(self.scales.unsqueeze(-1))
         if self.mins is not None:
-            values = values + self.mins.unsqueeze(-1)
+            values.add_(self.mins.unsqueeze(-1))
         return values.view(n, k)
 
 
