@@ -64,6 +64,7 @@ class QuantizedPlacer:
         if all(p in found for p in names):
             self._place(module_name, [found[p] for p in names])
             self.count += len(found)
+            self.placed.add(module_name)
             del self.pending[module_name]
 
     def finish(self) -> None:
