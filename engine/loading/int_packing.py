@@ -15,7 +15,9 @@ def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     w = words.to(torch.int32)
     w = w if dim == 1 else w.t()
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    # An arithmetic shift copies the sign bit down; the mask keeps only the value's own bits.
-    values = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    # An arithmetic shift copies the sign bit down; the mask keeps only the value's own bits
+    # (in place: the values are 4 bytes a weight, a layer's at load up to ~100 MB).
+    values = w.unsqueeze(-1) >> shifts
+    values &= (1 << bits) - 1
     values = values.reshape(w.shape[0], w.shape[1] * (32 // bits))
     return values if dim == 1 else values.t()
