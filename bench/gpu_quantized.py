@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams
+from engine.models.layers.linear import PackableLinear, ParallelLMHead
 from kernels.cpu.quant_layout import QuantizedWeight
 from kernels.gpu_quant.fp8 import Fp8Weight, fp8_linear, quantize_activations
 from kernels.gpu_quant.fp8 import quantize_weight as quantize_fp8
@@ -133,11 +134,17 @@ def checkpoint(name: str) -> Path:
     return folder
 
 
-def fp8_linears(llm: LLM) -> int:
-    """Linears running on an Fp8Weight (the FP8 checkpoint's must all but the head)."""
+def fp8_linears(llm: LLM) -> tuple[int, int]:
+    """Linears running on an Fp8Weight, and the linears but the head (an FP8 checkpoint's
+    must all be)."""
     model = llm.engine.executor.runner.model
     assert isinstance(model, torch.nn.Module)
-    return sum(isinstance(getattr(m, "gpu_quantized", None), Fp8Weight) for m in model.modules())
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, PackableLinear) and not isinstance(m, ParallelLMHead)
+    ]
+    return sum(isinstance(m.gpu_quantized, Fp8Weight) for m in linears), len(linears)
 
 
 def engine(quantization: str | None, batch: int, device: str, model: Path | None = None) -> LLM:
@@ -228,9 +235,9 @@ def main() -> None:
             failed.append(formats[name])
             continue
         with llm:
-            fp8_count = fp8_linears(llm)
-            if name in CHECKPOINTS and args.device == "cuda" and fp8_count == 0:
-                failed.append({name: "its linears are not FP8 on the GPU"})
+            fp8_count, linear_count = fp8_linears(llm)
+            if name in CHECKPOINTS and args.device == "cuda" and fp8_count != linear_count:
+                failed.append({name: f"{fp8_count} of its {linear_count} linears are FP8"})
             outs = llm.generate(PROMPTS, params)
             tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
             text = outs[0].outputs[0].text

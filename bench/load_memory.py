@@ -1,7 +1,7 @@
 """Peak resident memory of loading quantized models, this checkout against another revision,
 side by side in one run (each load in a fresh process).
 
-    python bench/load_memory.py [--baseline main] [--work /tmp/pagedserve-load-memory]
+    python bench/load_memory.py --baseline REV [--work /tmp/pagedserve-load-memory]
                                 [--models gguf,w4a16,llama-1b] [--rounds 1]
 
 Models (bfloat16, CPU):
@@ -194,7 +194,7 @@ def _measure(tree: Path, model: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="main")
+    parser.add_argument("--baseline", required=True, help="the git revision to compare against")
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-load-memory"))
     parser.add_argument("--models", default="gguf,w4a16,llama-1b")
     parser.add_argument("--rounds", type=int, default=1)

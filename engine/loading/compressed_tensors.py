@@ -90,12 +90,19 @@ class CompressedTensorsFormat:
         ]
         how = "integers read as stored"
         if self.has_float:
-            if self.fp8_kernel and any(s.fp8_activations for s in self.schemes):
-                how = "FP8 weights kept as stored, run through torch._scaled_mm (FP8 activations per token)"
-                if not all(s.fp8_activations for s in self.schemes if s.type == "float"):
-                    how += "; weight-only FP8 schemes de-quantized at load"
-            else:  # say where the memory and speed went
-                how = "FP8 weights de-quantized at load to the model's dtype (no FP8 matmul here)"
+            # Say where the memory and speed went.
+            dynamic = [s.fp8_activations for s in self.schemes if s.type == "float"]
+            if self.fp8_kernel and any(dynamic):
+                how = (
+                    "FP8 weights kept as stored, run through torch._scaled_mm (FP8 activations "
+                    "per token)"
+                )
+                if not all(dynamic):
+                    how += "; weight-only FP8 schemes de-quantized at load (16-bit activations)"
+            elif self.fp8_kernel:
+                how = "weight-only FP8 (16-bit activations): de-quantized at load to the model's dtype"
+            else:
+                how = "FP8 weights de-quantized at load to the model's dtype"
         return f"compressed-tensors ({', '.join(parts)}): {how}"
 
     def scheme_of(self, prefix: str) -> WeightScheme | None:
@@ -242,8 +249,7 @@ def _scheme(where: str, name: str, group: dict[str, Any], fallback: str | None) 
                 where,
                 f"{path}.input_activations",
                 acts,
-                "activations are served unquantized: only FP8 weights' dynamic FP8 activations "
-                "are accepted (and run in the model's dtype)",
+                "of quantized activations, only FP8 weights' dynamic FP8 ones are accepted",
             )
     if group.get("output_activations") is not None:
         raise _field(where, f"{path}.output_activations", group["output_activations"], "none")

@@ -14,6 +14,7 @@ model's dtype gives what a whole float32 copy would."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,12 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.quantized_linears import check_rows, part_names, read_layer
 from engine.models.base import DecoderModel
-from engine.models.layers.linear import CheckpointTensor, ColumnParallelLinear, PackableLinear
+from engine.models.layers.linear import CheckpointTensor, PackableLinear
 from kernels.gpu_quant.fp8 import FP8, Fp8Weight
+
+log = logging.getLogger(__name__)
 
 # Values de-quantized at a time: bounds the float32 scratch to 4 MiB whatever the layer, in few
 # enough steps that a small model's layers take one each.
@@ -72,52 +76,41 @@ def join_fp8(parts: list[Fp8Stored], what: str) -> Fp8Weight:
         raise ModelLoadError(f"{what}: its parts have {sorted(columns)} input features")
     q = torch.cat([p.q for p in parts]).contiguous()
     scales = torch.cat([p.scales for p in parts]).contiguous()
-    n, k = q.shape
-    if n % 16 or k % 16:  # torch._scaled_mm's kernels on a GPU
-        raise ModelLoadError(
-            f"{what}: FP8 matmuls need both dimensions a multiple of 16, not [{n}, {k}]"
-        )
     return Fp8Weight(q, scales, activations="token")
 
 
 def _stored(layer: Fp8Layer, path: Path) -> Fp8Stored:
-    try:
-        return layer.read()
-    except ModelLoadError as exc:
-        message = str(exc)
-        raise ModelLoadError(
-            message if message.startswith(str(path)) else f"{path}: {message}"
-        ) from exc
-    except (ValueError, IndexError, RuntimeError, TypeError) as exc:
-        raise ModelLoadError(
-            f"{path}: {layer.prefix} (FP8) cannot be read: {type(exc).__name__}: {exc}"
-        ) from exc
+    return read_layer(layer.read, path, layer.prefix, "FP8")
 
 
 def place_fp8(
     model: DecoderModel, parts: dict[str, dict[str | None, Fp8Layer]], path: Path
-) -> None:
-    """Each module's FP8 parts (keyed as the model's loader names them, as in
-    quantized_linears.place_quantized) read, joined and kept in it, one module at a time; its
-    float weight dropped."""
+) -> list[Fp8Layer]:
+    """Each module's FP8 parts (keyed as quantized_linears.part_names names them) read, joined
+    and kept in it, one module at a time, its float weight dropped. A module the FP8 matmul
+    cannot take whole is returned to be de-quantized instead, as every FP8 layer was before:
+    a part kept dense or weight-only (a fused layer runs one way), or a size `_scaled_mm`'s
+    GPU kernels do not take (multiples of 16)."""
+    dequantize: list[Fp8Layer] = []
     for module_name, found in parts.items():
         module = model.get_submodule(module_name)
         assert isinstance(module, PackableLinear) and module.weight is not None
-        if None in found or not isinstance(module, ColumnParallelLinear):
-            names: list[str | None] = [None]
-        else:
-            names = list(module.parts("weight"))
-        missing = [p for p in names if p not in found]
-        if missing:
-            raise ModelLoadError(f"{path}: {module_name} has no FP8 tensor for {missing}")
+        names = part_names(module, found)
+        n, k = module.weight.shape
+        why_not = None
+        if any(p not in found for p in names):
+            why_not = "not all of its parts are FP8 with FP8 activations"
+        elif n % 16 or k % 16:
+            why_not = f"FP8 matmuls take multiples of 16, not [{n}, {k}]"
+        if why_not is not None:
+            log.info("%s: %s de-quantized at load (%s)", path, module_name, why_not)
+            dequantize.extend(found.values())
+            continue
         joined = join_fp8([_stored(found[p], path) for p in names], f"{path}: {module_name}")
-        if tuple(joined.q.shape) != tuple(module.weight.shape):
-            raise ModelLoadError(
-                f"{path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
-                f"says {tuple(module.weight.shape)}"
-            )
+        check_rows(module, joined.q.shape, f"{path}: {module_name}")
         module.gpu_quantized = joined
         module.register_parameter("weight", None)
+    return dequantize
 
 
 def dequantized_one_by_one(

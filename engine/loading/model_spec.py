@@ -143,8 +143,13 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
     if gguf_file is None:
         quantization, linear_format = resolve_checkpoint_quantization(quantization, path, hf_config)
     if quantization is not None:
+        # A checkpoint of FP8 weights only never reaches the Triton kernel: FP8 matmuls, or
+        # de-quantized weights where those do not run.
+        fp8_only = (
+            isinstance(linear_format, CompressedTensorsFormat) and linear_format.float_weights
+        )
         why_not = quantization_unfit(
-            quantization, platform, info, tp_size, config.model.batch_invariant
+            quantization, platform, info, tp_size, config.model.batch_invariant, not fp8_only
         )
         if why_not is not None:
             what = quantization_source(config.model.quantization, path, gguf_file, linear_format)
@@ -262,6 +267,7 @@ def quantization_unfit(
     info: ArchitectureInfo,
     tp_size: int,
     batch_invariant: bool,
+    needs_triton: bool = True,
 ) -> str | None:
     """Why this weight quantization cannot run here, or None. On the CPU: int8 and gguf on
     kernels/cpu/quant_linear, bfloat16 or float32 activations. On a GPU (kernels/gpu_quant):
@@ -280,9 +286,10 @@ def quantization_unfit(
             return f"its GPU kernels take bfloat16 or float16, not {dtype_name}"
         if quantization == "fp8" and fp8_matmul_unfit(platform.capability) is not None:
             return fp8_matmul_unfit(platform.capability)
-        if quantization != "fp8" and major < 8:
+        needs_triton = needs_triton and quantization != "fp8"
+        if needs_triton and major < 8:
             return f"its Triton kernel needs compute capability 8.0 or later, not {major}.{minor}"
-        if quantization != "fp8":
+        if needs_triton:
             why_not = platform.importable("triton")
             if why_not is not None:
                 return f"its GPU kernel is Triton's: {why_not}"
@@ -306,7 +313,7 @@ def lora_unfit(
     if info.encoder or info.experts or runner != "generate":
         return "adapters are for generating decoder models with dense MLPs"
     if quantization is not None:
-        return f"not with quantized weights (--quantization {quantization}) yet"
+        return f"not with quantized weights ({quantization}) yet"
     if batch_invariant:
         return "not with --batch-invariant (the adapters' update is not in a fixed order)"
     return None

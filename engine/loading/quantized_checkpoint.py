@@ -8,6 +8,7 @@ through the model's own loader, lazily."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from engine.loading.fp8_layers import Fp8Layer, dequantized_one_by_one, place_fp
 from engine.loading.gptq_awq import parse_gptq_awq
 from engine.loading.hub import safetensors_files
 from engine.loading.linear_format import LinearFormat
-from engine.loading.quantized_linears import QuantizedPlacer, keep_quantized_biases
+from engine.loading.quantized_linears import QuantizedPlacer, keep_quantized_biases, read_layer
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import CheckpointTensor, PackableLinear, ParallelLMHead
 
@@ -121,18 +122,7 @@ def load_quantized_checkpoint(
                 raise ModelLoadError(f"{path}: no tensor {key} (its layer is {fmt.method})")
             return ckpt.tensor(key)
 
-        try:
-            weight = fmt.read(prefix, tensor)
-        except ModelLoadError as exc:
-            message = str(exc)
-            raise ModelLoadError(
-                message if message.startswith(str(path)) else f"{path}: {message}"
-            ) from exc
-        except (ValueError, IndexError, RuntimeError, TypeError) as exc:
-            # A tensor of the wrong rank, dtype or size that a reader's checks let through.
-            raise ModelLoadError(
-                f"{path}: {prefix} ({fmt.method}) cannot be read: {type(exc).__name__}: {exc}"
-            ) from exc
+        weight = read_layer(partial(fmt.read, prefix, tensor), path, prefix, fmt.method)
         if isinstance(weight, Fp8Layer) and weight.kept and not isinstance(module, ParallelLMHead):
             fp8.setdefault(target[0].rpartition(".")[0], {})[target[1]] = weight
         elif isinstance(weight, (torch.Tensor, Fp8Layer)):  # FP8 here: read as the model loads
@@ -140,11 +130,12 @@ def load_quantized_checkpoint(
         else:
             placer.add(target[0].rpartition(".")[0], target[1], weight)
     placer.finish()
-    place_fp8(model, fp8, path)
+    not_kept = place_fp8(model, fp8, path)
+    dense.extend((f"{layer.prefix}.weight", layer) for layer in not_kept)
     model.to_empty(device=device)  # only what stays dense: the placed layers have no weight
     model.load_weights(chain(_plain(ckpt, quantized), dequantized_one_by_one(model, dense, path)))
     keep_quantized_biases(model)
-    kept = sum(len(found) for found in fp8.values())
+    kept = sum(len(found) for found in fp8.values()) - len(not_kept)
     return {"quantized": placer.count, "fp8": kept, "dequantized": len(dense)}
 
 

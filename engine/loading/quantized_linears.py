@@ -6,7 +6,9 @@ while the model is still on the meta device, so that it is never allocated."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -14,6 +16,25 @@ from engine.errors import ModelLoadError
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
 from kernels.cpu.quant_layout import QuantizedWeight, pack
+
+T = TypeVar("T")
+
+
+def read_layer(read: Callable[[], T], path: Path, prefix: str, method: str) -> T:
+    """A layer's tensors read by a format's reader, whatever goes wrong a ModelLoadError that
+    names the file and the layer."""
+    try:
+        return read()
+    except ModelLoadError as exc:
+        message = str(exc)
+        raise ModelLoadError(
+            message if message.startswith(str(path)) else f"{path}: {message}"
+        ) from exc
+    except (ValueError, IndexError, RuntimeError, TypeError) as exc:
+        # A tensor of the wrong rank, dtype or size that a reader's checks let through.
+        raise ModelLoadError(
+            f"{path}: {prefix} ({method}) cannot be read: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def join_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
@@ -79,22 +100,33 @@ class QuantizedPlacer:
     def _names(
         self, module_name: str, found: dict[str | None, QuantizedWeight]
     ) -> list[str | None]:
-        module = self.model.get_submodule(module_name)
-        if None in found or not isinstance(module, ColumnParallelLinear):
-            return [None]
-        return list(module.parts("weight"))
+        return part_names(self.model.get_submodule(module_name), found)
 
     def _place(self, module_name: str, parts: list[QuantizedWeight]) -> None:
         module = self.model.get_submodule(module_name)
-        assert isinstance(module, PackableLinear) and module.weight is not None
         joined = join_rows(parts, module_name)
-        if tuple(joined.q.shape) != tuple(module.weight.shape):
-            raise ModelLoadError(
-                f"{self.path}: {module_name} is {tuple(joined.q.shape)} in the file, the config "
-                f"says {tuple(module.weight.shape)}"
-            )
+        check_rows(module, joined.q.shape, f"{self.path}: {module_name}")
+        assert isinstance(module, PackableLinear)
         module.quantized = pack(joined)
         module.register_parameter("weight", None)
+
+
+def part_names(module: torch.nn.Module, found: Iterable[str | None]) -> list[str | None]:
+    """The tensors a linear's weight is read from, keyed as the model's loader names its parts:
+    [None] for the whole layer (also a tensor that already fuses every part, as Phi-3's qkv),
+    else a fused layer's parts (q, k, v; gate, up)."""
+    if None in found or not isinstance(module, ColumnParallelLinear):
+        return [None]
+    return list(module.parts("weight"))
+
+
+def check_rows(module: torch.nn.Module, shape: torch.Size, what: str) -> None:
+    """A weight joined from the file has the shape of the layer's (meta) weight."""
+    assert isinstance(module, PackableLinear) and module.weight is not None
+    if tuple(shape) != tuple(module.weight.shape):
+        raise ModelLoadError(
+            f"{what} is {tuple(shape)} in the file, the config says {tuple(module.weight.shape)}"
+        )
 
 
 def keep_quantized_biases(model: DecoderModel) -> None:

@@ -30,7 +30,7 @@ from kernels.gpu_quant.weights import gpu_weight_unfit, to_gpu_weight
 def quantize_for_gpu(model: CausalLM, quantization: str, device: torch.device) -> int:
     """Give every linear its GPU form in place; the number of weights converted."""
     if not isinstance(model, DecoderModel):
-        raise ModelLoadError(f"--quantization {quantization} is for decoder models")
+        raise ModelLoadError(f"{quantization} weights are for decoder models")
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, PackableLinear):
@@ -55,7 +55,7 @@ def quantize_for_gpu(model: CausalLM, quantization: str, device: torch.device) -
             continue
         why_not = gpu_weight_unfit(source)
         if why_not is not None:
-            raise ModelLoadError(f"--quantization {quantization}: {name}.weight: {why_not}")
+            raise ModelLoadError(f"{quantization} weights: {name}.weight: {why_not}")
         module.gpu_quantized = to_gpu_weight(source, device)
         module.quantized = module.quantized_bias = None
         module.register_parameter("weight", None)

@@ -27,6 +27,7 @@ from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
 from engine.loading import fp8_layers, model_spec
+from engine.loading.compressed_tensors import CompressedTensorsFormat
 from engine.loading.model_loader import load_model
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
@@ -282,13 +283,78 @@ def test_a_misshapen_scale_is_refused_naming_the_file_and_tensor(
         _loaded(folder)
 
 
-def test_fp8_parts_that_the_matmul_cannot_take_are_refused() -> None:
+def test_join_refuses_parts_of_different_widths() -> None:
     def part(n: int, k: int) -> fp8_layers.Fp8Stored:
         return fp8_layers.Fp8Stored(torch.zeros(n, k).to(torch.float8_e4m3fn), torch.ones(n))
 
     joined = fp8_layers.join_fp8([part(32, 64), part(16, 64)], "qkv")
     assert tuple(joined.q.shape) == (48, 64) and joined.activations == "token"
-    with pytest.raises(ModelLoadError, match=r"qkv: FP8 matmuls need both dimensions a "):
-        fp8_layers.join_fp8([part(32, 64), part(8, 64)], "qkv")
     with pytest.raises(ModelLoadError, match=r"qkv: its parts have \[32, 64\] input features"):
         fp8_layers.join_fp8([part(32, 64), part(16, 32)], "qkv")
+
+
+def test_a_module_fp8_cannot_run_whole_is_dequantized_on_hopper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """q/k FP8_DYNAMIC with v weight-only: the fused qkv runs one way, so it is de-quantized;
+    an MLP 72 wide: down_proj's 72 inputs are no multiple of 16 for _scaled_mm. The rest (o,
+    gate/up: 144 rows) stays FP8; the checkpoint loads as it did when all was de-quantized."""
+    src = build_random_model(
+        tmp_path / "src", "llama", "llama", vocab_size=512, intermediate_size=72
+    )
+    folder = compress(src, tmp_path / "mixed", "FP8_DYNAMIC", "float-quantized")
+    config = json.loads((folder / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    weight_only = {**groups["group_0"], "input_activations": None, "targets": ["re:.*v_proj$"]}
+    groups["group_0"]["targets"] = ["re:.*(q|k|o|gate|up|down)_proj$"]
+    groups["group_1"] = weight_only
+    (folder / "config.json").write_text(json.dumps(config))
+    _on_a_gpu(monkeypatch, HOPPER)
+    with caplog.at_level(logging.INFO):
+        model, count = _loaded(folder)
+    # 2 layers x (o, gate, up) kept; x (q, k, v, down) de-quantized.
+    assert "0 linear weights read as integers, 6 kept as FP8, 8 de-quantized" in caplog.text
+    assert "qkv_proj de-quantized at load (not all of its parts are FP8" in caplog.text
+    assert "down_proj de-quantized at load (FP8 matmuls take multiples of 16, not [64, 72])" in (
+        caplog.text
+    )
+    assert count == 4  # o_proj and gate_up_proj of each layer
+    for prefix, tensors in _layers(folder).items():
+        module, rows = _rows(model, prefix)
+        if prefix.rpartition(".")[2] in ("o_proj", "gate_proj", "up_proj"):
+            assert isinstance(module.gpu_quantized, Fp8Weight), prefix
+            assert torch.equal(
+                module.gpu_quantized.q[rows].view(torch.uint8), tensors["weight"].view(torch.uint8)
+            )
+            continue
+        assert module.gpu_quantized is None and module.weight is not None, prefix
+        assert torch.equal(module.weight[rows], _dequantized(tensors).to(torch.bfloat16)), prefix
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "triton_missing"),
+    [((7, 5), "float16", False), ((9, 0), "bfloat16", True)],
+    ids=["sm75", "hopper-without-triton"],
+)
+def test_an_fp8_only_checkpoint_needs_no_triton(
+    folders: dict[str, Path],
+    capability: tuple[int, int],
+    dtype: str,
+    triton_missing: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its layers run on _scaled_mm or are de-quantized: the Triton kernel's limits (8.0+,
+    triton installed) are not its."""
+    monkeypatch.setattr(model_spec, "resolve_device", lambda name: "cuda")
+
+    def importable(name: str) -> str | None:
+        return f"No module named {name!r}" if triton_missing else import_error(name)
+
+    def detect(device: str, dtype: torch.dtype, head_dim: int) -> Platform:
+        return Platform(device, dtype, head_dim, capability, importable)
+
+    monkeypatch.setattr(model_spec.Platform, "detect", staticmethod(detect))
+    config = {"model": {"model": str(folders["channel"]), "dtype": dtype}}
+    spec = model_spec.resolve_model_spec(EngineConfig.model_validate(config))
+    assert isinstance(spec.linear_format, CompressedTensorsFormat)
+    assert spec.linear_format.fp8_kernel == (capability >= (8, 9))
