@@ -53,10 +53,10 @@ struct Ops {
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                             int64_t)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                        const OptTensor&)>
+                                        const OptTensor&, bool)>
         quant_linear = op("pagedserve::quant_linear")
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                             const OptTensor&)>();
+                                             const OptTensor&, bool)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> bf16_linear =
         op("pagedserve::bf16_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
     c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
@@ -71,10 +71,11 @@ struct Linear {
     // (with `mins` where its format has them, `bias` float32), as kernels/cpu/quant_layout.py
     // lays them out.
     OptTensor weight, packed, scales, mins, bias;
+    bool int8_activations;  // a 4-bit weight multiplied with int8 activations (--quantize-activations)
 
     // `own_layout`: packed for bf16_linear, else for oneDNN.
     at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool own_layout) const {
-        if (scales) return ops.quant_linear.call(x, *packed, *scales, mins, bias);
+        if (scales) return ops.quant_linear.call(x, *packed, *scales, mins, bias, int8_activations);
         if (!packed) return at::linear(x, *weight, bias);
         if (own_layout) return ops.bf16_linear.call(x, *packed, bias);
         return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
@@ -102,19 +103,23 @@ at::Tensor heads_first(const at::Tensor& x) { return x.transpose(0, 1).unsqueeze
 
 class LayerStack {
   public:
-    // `own_layout`: the packed weights are bf16_linear's (else oneDNN's).
+    // `own_layout`: the packed weights are bf16_linear's (else oneDNN's). `int8_linears`: per
+    // layer, whether its qkv, o, gate_up and down take int8 activations.
     LayerStack(const std::vector<OptTensor>& tensors, std::vector<int64_t> windows, std::vector<int64_t> plans,
                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double qk_eps, double scale,
-               bool own_layout)
+               bool own_layout, const std::vector<bool>& int8_linears)
         : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale),
           own_layout_(own_layout) {
-        TORCH_CHECK(tensors.size() == windows.size() * kTensorsPerLayer && windows.size() == plans.size(),
-                    "LayerStack: ", kTensorsPerLayer, " tensors, a window and a plan per layer");
+        TORCH_CHECK(tensors.size() == windows.size() * kTensorsPerLayer && windows.size() == plans.size() &&
+                        int8_linears.size() == 4 * windows.size(),
+                    "LayerStack: ", kTensorsPerLayer, " tensors, a window, a plan and 4 int8 flags per layer");
         for (size_t i = 0; i < windows.size(); ++i) {
             const OptTensor* t = tensors.data() + i * kTensorsPerLayer;
-            layers_.push_back(Layer{*t[0], *t[13], t[6], t[7], Linear{t[1], t[2], t[3], t[4], t[5]},
-                                    Linear{t[8], t[9], t[10], t[11], t[12]}, Linear{t[14], t[15], t[16], t[17], t[18]},
-                                    Linear{t[19], t[20], t[21], t[22], t[23]}, windows[i], plans[i]});
+            layers_.push_back(Layer{*t[0], *t[13], t[6], t[7], Linear{t[1], t[2], t[3], t[4], t[5], int8_linears[4 * i]},
+                                    Linear{t[8], t[9], t[10], t[11], t[12], int8_linears[4 * i + 1]},
+                                    Linear{t[14], t[15], t[16], t[17], t[18], int8_linears[4 * i + 2]},
+                                    Linear{t[19], t[20], t[21], t[22], t[23], int8_linears[4 * i + 3]}, windows[i],
+                                    plans[i]});
         }
     }
 
@@ -206,6 +211,6 @@ class LayerStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<LayerStack>(m, "LayerStack")
         .def(py::init<const std::vector<OptTensor>&, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
-                      int64_t, double, double, double, bool>())
+                      int64_t, double, double, double, bool, const std::vector<bool>&>())
         .def("forward", &LayerStack::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -45,13 +45,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define PAGEDSERVE_X86 1
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define VNNI_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx512vbmi")))
 #endif
 
 namespace {
@@ -68,6 +72,18 @@ bool vector_path() {
     static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                             __builtin_cpu_supports("avx512bf16");
+    return has;
+#else
+    return false;
+#endif
+}
+
+// The int8-activation code: `vpdpbusd` (AVX512-VNNI) and `vpermb` (AVX512-VBMI), besides the
+// AVX512-BF16 code's own flags (its bf16 stores).
+bool vnni_path() {
+#if defined(PAGEDSERVE_X86)
+    static const bool has =
+        vector_path() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
     return has;
 #else
     return false;
@@ -130,6 +146,77 @@ template <typename T>
 void portable_item(const T* x, int64_t rows, const Weights& w, T* out, int64_t block, int64_t row0) {
     portable_block(x, rows, w, out, block, row0);
     portable_block(x, rows, w, out, block + 1, row0);
+}
+
+// ---- int8 activations: quantizing a row, and the portable loop -------------------------------
+
+constexpr int64_t kActBlock = 32;  // inputs of one activation scale (llama.cpp's Q8_0 block)
+
+// A batch's activations quantized per block of kActBlock inputs: values [rows][k] int8, scales
+// [rows][k / kActBlock] float32; an input is about value x scale.
+struct ActRows {
+    const int8_t* values;
+    const float* scales;
+};
+
+// d = max |x| / 127 (float32 division), a = x / d rounded to nearest, ties to even (the
+// default rounding mode, as torch.round), so that the largest magnitude maps to +-127; a block of
+// zeros gets d = 0 and a = 0. One row at a time, from the row's float32 values.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* values, float* scales) {
+    float v[kActBlock];
+    for (int64_t j = 0; j < k / kActBlock; ++j) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kActBlock; ++i) {
+            v[i] = static_cast<float>(x[j * kActBlock + i]);
+            amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.0f;
+        scales[j] = d;
+        for (int64_t i = 0; i < kActBlock; ++i) {
+            const float a = d == 0.0f ? 0.0f : std::nearbyint(v[i] / d);
+            values[j * kActBlock + i] = static_cast<int8_t>(std::clamp(a, -127.0f, 127.0f));
+        }
+    }
+}
+
+// The int8 path's arithmetic over the same layout, column by column: per block an exact int32
+// sum of q x a, then the float32 total += sum x (d x scale), as the vector code does (fused
+// multiply-adds: the same numbers), and per group min x the group's input sum.
+template <typename T>
+void portable_int8_block(const ActRows& xa, int64_t rows, const Weights& w, T* out, int64_t block, int64_t row0) {
+    const int64_t col0 = block * kCols;
+    if (col0 >= w.n) return;
+    const int64_t cols = std::min(kCols, w.n - col0), blocks = w.k / kActBlock, group_blocks = blocks / w.groups;
+    const uint8_t* q = w.q + block * w.pairs * w.step;
+    const float* s = w.scales + block * w.groups * kCols;
+    const float* mn = w.mins ? w.mins + block * w.groups * kCols : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* xr = xa.values + r * w.k;
+        const float* dr = xa.scales + r * blocks;
+        float total[kCols] = {};
+        for (int64_t g = 0; g < w.groups; ++g) {
+            for (int64_t blk = g * group_blocks; blk < (g + 1) * group_blocks; ++blk) {
+                int32_t sum[kCols] = {};
+                for (int64_t p = blk * kActBlock / 2; p < (blk + 1) * kActBlock / 2; ++p) {
+                    const uint8_t* step = q + p * w.step;
+                    for (int64_t c = 0; c < kCols; ++c) {
+                        sum[c] += value_at(step, 2 * c, true) * xr[2 * p] + value_at(step, 2 * c + 1, true) * xr[2 * p + 1];
+                    }
+                }
+                for (int64_t c = 0; c < kCols; ++c) {
+                    total[c] = std::fma(static_cast<float>(sum[c]), dr[blk] * s[g * kCols + c], total[c]);
+                }
+            }
+            if (mn != nullptr) {
+                const float xs = w.xsums[(row0 + r) * w.groups + g];
+                for (int64_t c = 0; c < kCols; ++c) total[c] = std::fma(xs, mn[g * kCols + c], total[c]);
+            }
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+            out[r * w.n + col0 + c] = static_cast<T>(total[c] + (w.bias ? w.bias[col0 + c] : 0.0f));
+        }
+    }
 }
 
 #if defined(PAGEDSERVE_X86)
@@ -447,7 +534,198 @@ AVX512_TARGET void item_f32(int64_t rows, const float* x, const float* xsums, co
     rows_f32<4, kBits>(rows, x, xsums, w, out, block);
     if ((block + 1) * kCols < w.n) rows_f32<4, kBits>(rows, x, xsums, w, out, block + 1);
 }
+
+// ---- 4-bit weights x int8 activations (AVX512-VNNI, opt-in) ---------------------------------
+
+// A quad: two steps (pairs 2s and 2s + 1, 32 bytes) as 16 columns x 4 inputs, the u8 operand of
+// `vpdpbusd`. Both steps go to both halves of a vector, the upper half shifted by a nibble, one
+// mask keeps the nibbles, and one `vpermb` gathers each column's four values (its two values of
+// each step) into its 32-bit lane: the packed layout stays the one the exact path reads.
+VNNI_TARGET inline __m512i quad_u8(const uint8_t* steps, __m512i order) {
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps)));
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                                             _mm512_set1_epi8(0x0F));
+    return _mm512_permutexvar_epi8(order, nibbles);
+}
+
+// Byte 4c + j of a quad: column c's input j. After the shift and mask, byte i < 32 holds the low
+// nibble of the steps' byte i (columns 0-7), byte 32 + i its high nibble (columns 8-15); within
+// a step, byte 2c' + t is column c''s input t of the pair, the second step 16 bytes on.
+VNNI_TARGET inline __m512i quad_order() {
+    alignas(64) uint8_t idx[64];
+    for (int c = 0; c < 16; ++c) {
+        const int base = (c < 8 ? 0 : 32) + 2 * (c % 8);
+        idx[4 * c + 0] = static_cast<uint8_t>(base);
+        idx[4 * c + 1] = static_cast<uint8_t>(base + 1);
+        idx[4 * c + 2] = static_cast<uint8_t>(base + 16);
+        idx[4 * c + 3] = static_cast<uint8_t>(base + 17);
+    }
+    return _mm512_load_si512(idx);
+}
+
+// acc + the int32 sums of u (u8) x x (s8) four by four: `vpdpbusd` in place. GCC's builtin
+// names a fresh destination, and in the quad loop its register allocator answered with a copy
+// of every sum and spills each iteration (2 moves per multiply; 28 ms instead of 21 for the
+// default model's linears at 16 rows); the asm ties the sum to its register.
+VNNI_TARGET inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
+#if defined(__GNUC__) && !defined(__clang__)
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x));
+    return acc;
+#else
+    return _mm512_dpbusd_epi32(acc, u, x);
 #endif
+}
+
+template <typename T>
+VNNI_TARGET inline void store_row(T* dst, __mmask16 m, __m512 y) {
+    if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst, m, y);
+    } else {
+        _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(dst), m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+    }
+}
+
+// One block of 32 inputs of rows [0, R) against a work item's two column blocks (the quads
+// from `s` on): 8 quads of `vpdpbusd` into exact int32 sums, then added into the float32 totals
+// `tot` [2][R][16] times each row's activation scale and each column's group scale (`sc`, [2][16]).
+// Not inlined, and the totals in memory: inlined into the group loop, the compiler kept them in
+// registers too and spilled the int32 sums inside the quad loop instead (2x slower at 8 rows).
+template <int R, bool kPrefetch>
+VNNI_TARGET inline void block_int8(const uint8_t* q0, const uint8_t* q1, int64_t pairs,
+                                                      const int32_t* xq, int64_t quads, int64_t s,
+                                                      const float* d, int64_t blocks, const float* sc,
+                                                      float* tot) {
+    const __m512i order = quad_order();
+    __m512i acc[2][R];
+    for (int b = 0; b < 2; ++b)
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_si512();
+    for (const int64_t end = s + kActBlock / 4; s < end; ++s) {
+        if constexpr (kPrefetch) {  // the next item's two blocks, a 64-byte line at a time
+            if (s % 2 == 0) {
+                _mm_prefetch(reinterpret_cast<const char*>(q1 + (pairs + 2 * s) * 16), _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(q1 + (2 * pairs + 2 * s) * 16), _MM_HINT_T1);
+            }
+        }
+        const __m512i u0 = quad_u8(q0 + 2 * s * 16, order);
+        const __m512i u1 = quad_u8(q1 + 2 * s * 16, order);
+        for (int r = 0; r < R; ++r) {
+            const __m512i xb = _mm512_set1_epi32(xq[r * quads + s]);
+            acc[0][r] = dpbusd(acc[0][r], u0, xb);
+            acc[1][r] = dpbusd(acc[1][r], u1, xb);
+        }
+    }
+    for (int b = 0; b < 2; ++b) {
+        const __m512 scale = _mm512_loadu_ps(sc + b * kCols);
+        for (int r = 0; r < R; ++r) {
+            float* t = tot + (b * R + r) * kCols;
+            const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(d[r * blocks]), scale);
+            _mm512_storeu_ps(t, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b][r]), ds, _mm512_loadu_ps(t)));
+        }
+    }
+}
+
+// Rows [0, R) against a work item's two column blocks: block_int8 for each block of 32 inputs;
+// per group, its min times the row's input sum.
+template <int R, bool kMins, bool kPrefetch, typename T>
+VNNI_TARGET void tile_int8(const ActRows& xa, const float* xsums, const Weights& w, T* out, int64_t block) {
+    const uint8_t* q0 = w.q + block * w.pairs * 16;
+    const uint8_t* q1 = q0 + w.pairs * 16;
+    const float* s0 = w.scales + block * w.groups * kCols;
+    const int32_t* xq = reinterpret_cast<const int32_t*>(xa.values);
+    const int64_t quads = w.k / 4, blocks = w.k / kActBlock, group_blocks = blocks / w.groups;
+    alignas(64) float tot[2 * R * kCols] = {};
+    alignas(64) float sc[2 * kCols];
+    for (int64_t g = 0; g < w.groups; ++g) {
+        std::memcpy(sc, s0 + g * kCols, sizeof(float) * kCols);
+        std::memcpy(sc + kCols, s0 + (w.groups + g) * kCols, sizeof(float) * kCols);
+        for (int64_t blk = g * group_blocks; blk < (g + 1) * group_blocks; ++blk) {
+            block_int8<R, kPrefetch>(q0, q1, w.pairs, xq, quads, blk * kActBlock / 4, xa.scales + blk, blocks, sc,
+                                     tot);
+        }
+        if constexpr (kMins) {
+            for (int b = 0; b < 2; ++b) {
+                const __m512 mn = _mm512_loadu_ps(w.mins + (block + b) * w.groups * kCols + g * kCols);
+                for (int r = 0; r < R; ++r) {
+                    float* t = tot + (b * R + r) * kCols;
+                    _mm512_store_ps(t, _mm512_fmadd_ps(_mm512_set1_ps(xsums[r * w.groups + g]), mn, _mm512_load_ps(t)));
+                }
+            }
+        }
+    }
+    for (int b = 0; b < 2; ++b) {
+        const int64_t col = (block + b) * kCols;
+        const __mmask16 m = existing(w.n, col);
+        const __m512 bias = bias_at(w.bias, col, m);
+        for (int r = 0; r < R; ++r) {
+            store_row(out + r * w.n + col, m, _mm512_add_ps(_mm512_load_ps(tot + (b * R + r) * kCols), bias));
+        }
+    }
+}
+
+template <int R, bool kMins, bool kPrefetch, typename T>
+VNNI_TARGET void rows_int8(int64_t rows, ActRows xa, const float* xsums, const Weights& w, T* out, int64_t block) {
+    const int64_t blocks = w.k / kActBlock;
+    for (; rows >= R; rows -= R, xa.values += R * w.k, xa.scales += R * blocks, out += R * w.n) {
+        tile_int8<R, kMins, kPrefetch, T>(xa, xsums, w, out, block);
+        if (kMins) xsums += R * w.groups;
+    }
+    if constexpr (R > 1) {
+        if (rows > 0) rows_int8<R / 2, kMins, kPrefetch, T>(rows, xa, xsums, w, out, block);
+    }
+}
+
+template <typename T>
+VNNI_TARGET void item_int8(int64_t rows, const ActRows& xa, const float* xsums, const Weights& w, T* out,
+                           int64_t block) {
+    const bool prefetch = rows <= kPrefetchRows;
+    if (w.mins != nullptr) {
+        prefetch ? rows_int8<8, true, true, T>(rows, xa, xsums, w, out, block)
+                 : rows_int8<8, true, false, T>(rows, xa, xsums, w, out, block);
+    } else {
+        prefetch ? rows_int8<8, false, true, T>(rows, xa, xsums, w, out, block)
+                 : rows_int8<8, false, false, T>(rows, xa, xsums, w, out, block);
+    }
+}
+#endif
+
+// The int8-activation path's work items: a tile's rows at any count (its integer products are
+// what makes it fast, so many rows do not switch to de-quantized bf16 as the exact path does).
+void run_int8(const ActRows& xa, int64_t m, const Weights& w, torch::Tensor& out, bool vnni) {
+    const int64_t column_items = padded_columns(w.n) / kBlockCols, blocks = w.k / kActBlock;
+    const int64_t fewest_blocks = (m + kRowBlock - 1) / kRowBlock;
+    const int64_t block_rows = ((m + fewest_blocks - 1) / fewest_blocks + 7) / 8 * 8;
+    const int64_t items = (m + block_rows - 1) / block_rows * column_items;
+    const bool is_bf16 = out.scalar_type() == at::kBFloat16;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t row0 = i / column_items * block_rows, rows = std::min(block_rows, m - row0);
+            const int64_t block = 2 * (i % column_items);
+            const ActRows xr{xa.values + row0 * w.k, xa.scales + row0 * blocks};
+            const float* xs = w.xsums ? w.xsums + row0 * w.groups : nullptr;
+            if (is_bf16) {
+                auto* op = out.data_ptr<at::BFloat16>() + row0 * w.n;
+#if defined(PAGEDSERVE_X86)
+                if (vnni) {
+                    item_int8(rows, xr, xs, w, op, block);
+                    continue;
+                }
+#endif
+                portable_int8_block(xr, rows, w, op, block, row0);
+                portable_int8_block(xr, rows, w, op, block + 1, row0);
+            } else {
+                auto* op = out.data_ptr<float>() + row0 * w.n;
+#if defined(PAGEDSERVE_X86)
+                if (vnni) {
+                    item_int8(rows, xr, xs, w, op, block);
+                    continue;
+                }
+#endif
+                portable_int8_block(xr, rows, w, op, block, row0);
+                portable_int8_block(xr, rows, w, op, block + 1, row0);
+            }
+        }
+    });
+}
 
 // x [M, K] bf16 or float32. q: the weight as quant_layout.pack lays it out, [n, K] int8 (8-bit)
 // or [n, K / 2] uint8 (4-bit), a view of the padded blocks as bf16_linear's packed weight is (its
@@ -455,7 +733,8 @@ AVX512_TARGET void item_f32(int64_t rows, const float* x, const float* xsums, co
 // or none. Returns [M, n] in x's dtype. `vector`: the AVX512 code (where the CPU has it), else the
 // portable loop.
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                  const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias, bool vector) {
+                  const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias, bool vector,
+                  bool int8_activations) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
                 "quant_linear: x is a contiguous 2-d bf16 or float32 tensor");
@@ -481,6 +760,9 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     TORCH_CHECK(!mins || laid_out(*mins, groups), "quant_linear: mins are laid out as the scales are");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat),
                 "quant_linear: bias is n contiguous float32 values");
+    TORCH_CHECK(!int8_activations || (four_bit && (k / groups) % kActBlock == 0),
+                "quant_linear: int8 activations are for 4-bit weights in groups of a multiple of ", kActBlock,
+                " inputs");
     auto out = torch::empty({m, n}, x.options());
     if (m == 0) return out;
     const bool is_bf16 = x.scalar_type() == at::kBFloat16;
@@ -488,7 +770,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     // decode step's few rows, torch ops here cost more than the sums (three ops a linear took
     // the default model's 120 linears at 1 row from ~8 to ~14 ms).
     std::vector<float> xsums;
-    const bool need_xsums = mins || (four_bit && is_bf16);  // 4-bit bf16: the 128 offset's sums
+    // 4-bit bf16 on the exact path: the 128 offset's sums.
+    const bool need_xsums = mins || (four_bit && is_bf16 && !int8_activations);
     if (need_xsums) {
         xsums.assign(m * groups, 0.0f);
         const int64_t group = k / groups;
@@ -502,6 +785,18 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
                     bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
     const bool fast = vector && vector_path();
+    if (int8_activations) {
+        std::vector<int8_t> values(m * k);
+        std::vector<float> act_scales(m * (k / kActBlock));
+        for (int64_t r = 0; r < m; ++r) {
+            is_bf16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, values.data() + r * k,
+                                   act_scales.data() + r * (k / kActBlock))
+                    : quantize_row(x.data_ptr<float>() + r * k, k, values.data() + r * k,
+                                   act_scales.data() + r * (k / kActBlock));
+        }
+        run_int8(ActRows{values.data(), act_scales.data()}, m, w, out, vector && vnni_path());
+        return out;
+    }
     // From how many rows a work item de-quantizes its weights into bf16 first (see
     // dequantize_bf16): past the decode row counts. Below, the steps are widened in registers
     // for every tile of 8 rows, which at 8-32 rows costs less than writing and reading back the
@@ -557,22 +852,46 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                     const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias) {
-    return run(x, q, scales, mins, bias, true);
+                     const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias,
+                     bool int8_activations) {
+    return run(x, q, scales, mins, bias, true, int8_activations);
 }
 
 torch::Tensor linear_portable(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                              const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias) {
-    return run(x, q, scales, mins, bias, false);
+                              const std::optional<torch::Tensor>& mins, const std::optional<torch::Tensor>& bias,
+                              bool int8_activations) {
+    return run(x, q, scales, mins, bias, false, int8_activations);
+}
+
+// The activations as the int8 path quantizes them (to check it against a torch reference).
+std::tuple<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kActBlock == 0 &&
+                    (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+                "quantize_activations: x is a contiguous 2-d bf16 or float32 tensor, a multiple of ", kActBlock,
+                " inputs a row");
+    const int64_t m = x.size(0), k = x.size(1);
+    auto values = torch::empty({m, k}, x.options().dtype(at::kChar));
+    auto scales = torch::empty({m, k / kActBlock}, x.options().dtype(at::kFloat));
+    for (int64_t r = 0; r < m; ++r) {
+        auto* v = values.data_ptr<int8_t>() + r * k;
+        auto* d = scales.data_ptr<float>() + r * (k / kActBlock);
+        x.scalar_type() == at::kBFloat16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, v, d)
+                                         : quantize_row(x.data_ptr<float>() + r * k, k, v, d);
+    }
+    return {values, scales};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-    m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor", &linear);
+    m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? mins, Tensor? bias, bool int8_activations=False) "
+          "-> Tensor",
+          &linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("vector_path", &vector_path, "whether this CPU takes the AVX512-BF16 code");
     m.def("linear_portable", &linear_portable, "the portable loop, whatever the CPU has (for checks)");
+    m.def("vnni_path", &vnni_path, "whether this CPU takes the int8-activation code (AVX512-VNNI and VBMI)");
+    m.def("quantize_activations", &quantize_activations, "x's int8 values and scales per block of 32");
 }

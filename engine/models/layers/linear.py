@@ -57,6 +57,8 @@ class PackableLinear(nn.Module):
     quantized_bias: torch.Tensor | None = None
     # The weight in a GPU quantized form (FP8, or packed for the Triton kernel); `weight` is None.
     gpu_quantized: GpuWeight | None = None
+    # `quantized` (4-bit) multiplied with int8 activations (--quantize-activations int8).
+    int8_activations: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -74,7 +76,8 @@ class PackableLinear(nn.Module):
         if self.gpu_quantized is not None:
             return gpu_linear(x, self.gpu_quantized, self.bias if with_bias else None)
         if self.quantized is not None:
-            return weight_only.linear(x, self.quantized, self.quantized_bias if with_bias else None)
+            bias = self.quantized_bias if with_bias else None
+            return weight_only.linear(x, self.quantized, bias, self.int8_activations)
         return linear(
             x, self.weight, self.packed, self.bias if with_bias else None, self.packed_own
         )

@@ -76,6 +76,7 @@ class CpuLayerStack:
 
         tensors: list[torch.Tensor | None] = []
         windows, plans = [], []
+        int8_linears: list[bool] = []  # per layer: qkv, o, gate_up, down
         self.windows: list[int | None] = []  # each distinct window's plan index is its position
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -97,6 +98,8 @@ class CpuLayerStack:
                 **_linear("down", mlp.down_proj),
             }
             tensors += [parts[name] for name in LAYER_TENSORS]
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            int8_linears += [linear.int8_activations for linear in linears]
         first = layers[0]
         self.stack = LayerStack(
             tensors,
@@ -109,6 +112,7 @@ class CpuLayerStack:
             first.self_attn.options.norm_eps,
             first.self_attn.scale,
             first.self_attn.qkv_proj.packed_own,
+            int8_linears,
         )
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
