@@ -51,6 +51,8 @@ class ModelSpec:
     gguf_file: Path | None = None  # the weights, read from their blocks (--quantization gguf)
     # A checkpoint's own quantized format (compressed-tensors, GPTQ, AWQ), from its config.json.
     linear_format: LinearFormat | None = None
+    # --quantize-activations: int8 activations for the 4-bit linears (engine/worker/cpu/).
+    quantize_activations: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +161,15 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
             log.info("weights: %s", linear_format.describe())
         else:
             log.info("weights: %s (quantized at load)", quantization)
+    if config.model.quantize_activations is not None:
+        why_not = activation_quantization_unfit(quantization, platform)
+        if why_not is not None:
+            raise ConfigError(
+                f"--quantize-activations {config.model.quantize_activations}: {why_not}"
+            )
+        log.info(
+            "activations: rounded to int8 per block of 32 for the 4-bit linears (integer products)"
+        )
     if config.lora.enable_lora:
         why_not = lora_unfit(info, runner, quantization, config.model.batch_invariant)
         if why_not is not None:
@@ -179,6 +190,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         quantization=quantization,
         gguf_file=gguf_file,
         linear_format=linear_format,
+        quantize_activations=config.model.quantize_activations,
     )
 
 
@@ -302,6 +314,28 @@ def quantization_unfit(
         # a row then depend on how many rows share its step (on a GPU, the tiles depend on the
         # rows too).
         return "not with --batch-invariant (its kernel's order depends on the batch's rows)"
+    return None
+
+
+def activation_quantization_unfit(quantization: str | None, platform: Platform) -> str | None:
+    """Why int8 activations cannot run here, or None. They are for 4-bit weights read from a
+    quantized format (gguf, compressed-tensors, gptq, awq), on the CPU, where it has the integer
+    dot products (AVX512-VNNI) and byte permutes (AVX512-VBMI) of kernels/cpu/quant_linear.
+    (--batch-invariant is refused by the config itself.)"""
+    if quantization is None:
+        return "it needs quantized weights (--quantization gguf, a .gguf model or a quantized checkpoint)"
+    if quantization in ("int8", "fp8"):
+        return (
+            f"its kernel is for 4-bit weights, and --quantization {quantization} weights are 8-bit"
+        )
+    if platform.capability is not None:
+        return "it runs on the CPU, not a GPU"
+    try:
+        from kernels.cpu import quant_linear
+    except ImportError as exc:
+        return f"its kernel (kernels/cpu/quant_linear) does not load: {exc}"
+    if not quant_linear.VNNI:
+        return "this CPU lacks AVX512-VNNI or AVX512-VBMI (the kernel's integer dot products)"
     return None
 
 

@@ -22,6 +22,7 @@ from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.pooling import pool
 from engine.worker.cpu import prepare_model
+from engine.worker.cpu.activation_quant import use_int8_activations
 from engine.worker.cpu.quantize import quantize_int8
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.gpu_quantize import quantize_for_gpu
@@ -209,6 +210,10 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         count = quantize_int8(model)
         if shard.rank == 0:
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)
+    if spec.quantize_activations == "int8":  # before the layer loop, which reads the marks
+        marked, total = use_int8_activations(model)
+        if shard.rank == 0:
+            log.info("%d of %d quantized linears take int8 activations (4-bit)", marked, total)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
     if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
         prepare_model(

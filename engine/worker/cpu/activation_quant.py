@@ -1,0 +1,42 @@
+"""--quantize-activations int8: the 4-bit quantized linears of a loaded model (the tied head
+too) marked to take their activations rounded to int8 (kernels/cpu/quant_linear's integer
+path). 8-bit weights keep the exact path: `vpdpbusd` multiplies an unsigned byte by a signed one,
+and a signed 8-bit weight times a signed activation is neither."""
+
+from __future__ import annotations
+
+from config import ConfigError
+from engine.models.base import DecoderModel
+from engine.models.interface import CausalLM
+from engine.models.layers.linear import PackableLinear
+from kernels.cpu.activation_quant import BLOCK
+from kernels.cpu.quant_layout import PackedWeight
+
+
+def takes_int8_activations(weight: PackedWeight) -> bool:
+    """4-bit, in groups of whole activation blocks (each block then has one weight scale)."""
+    groups = weight.scales.shape[1]
+    return weight.bits == 4 and (weight.k // groups) % BLOCK == 0
+
+
+def use_int8_activations(model: CausalLM) -> tuple[int, int]:
+    """Mark every linear that can take int8 activations; (marked, quantized linears in all).
+    A model with none to mark is refused: the flag would change nothing."""
+    if not isinstance(model, DecoderModel):
+        raise ConfigError("--quantize-activations int8 is for decoder models")
+    marked = total = 0
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.quantized is not None:
+            total += 1
+            module.int8_activations = takes_int8_activations(module.quantized)
+            marked += module.int8_activations
+    if model.lm_head_quantized is not None:
+        total += 1
+        model.lm_head_int8_activations = takes_int8_activations(model.lm_head_quantized)
+        marked += model.lm_head_int8_activations
+    if marked == 0:
+        raise ConfigError(
+            f"--quantize-activations int8: none of the model's {total} quantized linear weights "
+            f"is 4-bit in groups of a multiple of {BLOCK} (8-bit weights keep their exact path)"
+        )
+    return marked, total
