@@ -2,7 +2,8 @@
 the default model as bf16, as int8 (--quantization int8) and from its own GGUF file's Q4_1
 blocks (--quantization gguf); the 124.7M random Llama (bench/random_llama.py) as bf16 and int8,
 and, with --gguf, GGUF files of its shape in other block types (bench/random_gguf.py: random
-blocks, K-quants among them).
+blocks, K-quants among them). Every GGUF format also as FORMAT+a8: its 4-bit linears with int8
+activations (--quantize-activations int8), unless --no-a8.
 Every engine is loaded, their runs alternated round by round so that a loaded machine slows them
 alike; and each one's resident memory, from a fresh process per format.
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -39,16 +41,24 @@ from engine import LLM, SamplingParams
 
 RANDOM_LLAMA = Path.home() / ".cache" / "pagedserve" / "random-llama-124m"
 FORMATS = {"bf16": None, "int8": "int8", "gguf": "gguf"}
+# A format: (model, --quantization, --quantize-activations).
+Format = tuple[str | None, str | None, str | None]
 
 
-def formats(name: str, files: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
-    """Each format's (model, --quantization): the random Llama has no GGUF file of its own
-    weights, but --gguf files of its shape."""
+def formats(name: str, files: dict[str, str], a8: bool) -> dict[str, Format]:
+    """Each format's settings: the random Llama has no GGUF file of its own weights, but --gguf
+    files of its shape. With `a8`, each GGUF one again with int8 activations."""
     if name == "default":
-        return {f: (None, q) for f, q in FORMATS.items()}
-    model = model_path(name)
-    own = {f: (model, q) for f, q in FORMATS.items() if f != "gguf"}
-    return own | {f: (path, None) for f, path in files.items()}
+        table: dict[str, Format] = {f: (None, q, None) for f, q in FORMATS.items()}
+        gguf: dict[str, tuple[str | None, str | None]] = {"gguf": (None, "gguf")}
+    else:
+        model = model_path(name)
+        table = {f: (model, q, None) for f, q in FORMATS.items() if f != "gguf"}
+        gguf = {f: (path, None) for f, path in files.items()}
+    table |= {f: (m, q, None) for f, (m, q) in gguf.items()}
+    if a8:
+        table |= {f"{f}+a8": (m, q, "int8") for f, (m, q) in gguf.items()}
+    return table
 
 
 def model_path(name: str) -> str | None:
@@ -59,11 +69,13 @@ def model_path(name: str) -> str | None:
     return str(RANDOM_LLAMA)
 
 
-def engine(model: str | None, quantization: str | None, batch: int, max_len: int) -> LLM:
+def engine(fmt: Format, batch: int, max_len: int) -> LLM:
+    model, quantization, activations = fmt
     return LLM(
         model,
         dtype="bfloat16",
         quantization=quantization,
+        quantize_activations=activations,
         max_model_len=max_len,
         max_num_seqs=batch,
         max_num_batched_tokens=2048,
@@ -95,8 +107,8 @@ def decode_step_s(llm: LLM, batch: int, context: int, steps: int, seed: int) -> 
 
 def weight_mib(llm: LLM) -> float:
     """Bytes of every tensor the model keeps: parameters, packed and quantized weights."""
-    model = llm.engine.executor.runner.model
-    tensors = list(model.parameters())
+    model = cast(torch.nn.Module, llm.engine.executor.runner.model)
+    tensors: list[torch.Tensor] = list(model.parameters())
     for module in model.modules():
         for name in ("packed", "lm_head_packed"):
             t = getattr(module, name, None)
@@ -109,13 +121,14 @@ def weight_mib(llm: LLM) -> float:
     return sum(t.untyped_storage().nbytes() for t in tensors) / 2**20
 
 
-def resident_mib(model: str, quantization: str | None) -> float:
+def resident_mib(model: str, quantization: str | None, activations: str | None) -> float:
     """VmRSS of a fresh process that loaded the engine and generated a token."""
     code = f"""
 import ctypes, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from engine import LLM, SamplingParams
 llm = LLM({model!r} if {model!r} != "default" else None, dtype="bfloat16",
-          quantization={quantization!r}, max_model_len=256, num_kv_blocks=64)
+          quantization={quantization!r}, quantize_activations={activations!r},
+          max_model_len=256, num_kv_blocks=64)
 llm.generate([[100, 200, 300]], SamplingParams(max_tokens=1))
 # What the process holds, not what the allocator kept of the load's temporaries (the bf16 copy a
 # weight was quantized from): pagedserve keeps freed memory for its steps' activations.
@@ -138,6 +151,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-a8", action="store_true", help="no FORMAT+a8 variants")
     parser.add_argument(
         "--gguf", default="", help="NAME=FILE,...: GGUF files timed beside the random Llama"
     )
@@ -147,8 +161,8 @@ def main() -> None:
     max_len = args.context + args.steps + 8
     rows = []
     for name in args.models.split(","):
-        table = formats(name, files)
-        llms = {fmt: engine(m, q, max(batches), max_len) for fmt, (m, q) in table.items()}
+        table = formats(name, files, not args.no_a8)
+        llms = {fmt: engine(settings, max(batches), max_len) for fmt, settings in table.items()}
         weights = {fmt: weight_mib(llm) for fmt, llm in llms.items()}
         for llm in llms.values():  # warm-up: first calls pay one-off costs
             decode_step_s(llm, max(batches), args.context, 4, seed=0)
@@ -162,8 +176,8 @@ def main() -> None:
         del llms
         memory = {}
         if not args.no_memory:
-            for fmt, (m, q) in table.items():
-                memory[fmt] = resident_mib(name if m is None else m, q)
+            for fmt, (m, q, a) in table.items():
+                memory[fmt] = resident_mib(name if m is None else m, q, a)
         for batch in batches:
             base = min(times[("bf16", batch)])
             for fmt in table:
