@@ -537,6 +537,38 @@ AVX512_TARGET void item_f32(int64_t rows, const float* x, const float* xsums, co
 
 // ---- 4-bit weights x int8 activations (AVX512-VNNI, opt-in) ---------------------------------
 
+// quantize_row's rounding, 32 inputs a vector pair: the same IEEE division and round-to-nearest-even
+// (`vrndscaleps`), so the same bytes. The scalar loop's division cost ~1 ms of a 16-row step.
+template <typename T>
+VNNI_TARGET void quantize_row_vector(const T* x, int64_t k, int8_t* values, float* scales) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t j = 0; j < k / kActBlock; ++j) {
+        __m512 lo, hi;
+        if constexpr (std::is_same_v<T, float>) {
+            lo = _mm512_loadu_ps(x + j * kActBlock);
+            hi = _mm512_loadu_ps(x + j * kActBlock + 16);
+        } else {  // bf16: its bits are the float32's top half
+            const auto* p = reinterpret_cast<const __m256i*>(x + j * kActBlock);
+            lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+            hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        const float d = amax / 127.0f;
+        scales[j] = d;
+        if (d == 0.0f) {
+            std::memset(values + j * kActBlock, 0, kActBlock);
+            continue;
+        }
+        const __m512 dv = _mm512_set1_ps(d), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+        const auto round = [&](__m512 v) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, top), bottom)));
+        };
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(values + j * kActBlock), round(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(values + j * kActBlock + 16), round(hi));
+    }
+}
+
 // A quad: two steps (pairs 2s and 2s + 1, 32 bytes) as 16 columns x 4 inputs, the u8 operand of
 // `vpdpbusd`. Both steps go to both halves of a vector, the upper half shifted by a nibble, one
 // mask keeps the nibbles, and one `vpermb` gathers each column's four values (its two values of
@@ -688,6 +720,23 @@ VNNI_TARGET void item_int8(int64_t rows, const ActRows& xa, const float* xsums, 
 }
 #endif
 
+// Rows [0, m) of x quantized (quantize_row's numbers; the vector code where `vnni`).
+void quantize_rows(const torch::Tensor& x, int64_t m, int8_t* values, float* scales, bool vnni) {
+    const int64_t k = x.size(1), blocks = k / kActBlock;
+    const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+    for (int64_t r = 0; r < m; ++r) {
+#if defined(PAGEDSERVE_X86)
+        if (vnni) {
+            is_bf16 ? quantize_row_vector(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
+                    : quantize_row_vector(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
+            continue;
+        }
+#endif
+        is_bf16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
+                : quantize_row(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
+    }
+}
+
 // The int8-activation path's work items: a tile's rows at any count (its integer products are
 // what makes it fast, so many rows do not switch to de-quantized bf16 as the exact path does).
 void run_int8(const ActRows& xa, int64_t m, const Weights& w, torch::Tensor& out, bool vnni) {
@@ -788,13 +837,9 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     if (int8_activations) {
         std::vector<int8_t> values(m * k);
         std::vector<float> act_scales(m * (k / kActBlock));
-        for (int64_t r = 0; r < m; ++r) {
-            is_bf16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, values.data() + r * k,
-                                   act_scales.data() + r * (k / kActBlock))
-                    : quantize_row(x.data_ptr<float>() + r * k, k, values.data() + r * k,
-                                   act_scales.data() + r * (k / kActBlock));
-        }
-        run_int8(ActRows{values.data(), act_scales.data()}, m, w, out, vector && vnni_path());
+        const bool vnni = vector && vnni_path();
+        quantize_rows(x, m, values.data(), act_scales.data(), vnni);
+        run_int8(ActRows{values.data(), act_scales.data()}, m, w, out, vnni);
         return out;
     }
     // From how many rows a work item de-quantizes its weights into bf16 first (see
@@ -863,8 +908,9 @@ torch::Tensor linear_portable(const torch::Tensor& x, const torch::Tensor& q, co
     return run(x, q, scales, mins, bias, false, int8_activations);
 }
 
-// The activations as the int8 path quantizes them (to check it against a torch reference).
-std::tuple<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x) {
+// The activations as the int8 path quantizes them (to check it against a torch reference):
+// `vector`, the AVX512 code where the CPU has it, else the portable loop.
+std::tuple<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, bool vector) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kActBlock == 0 &&
                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
                 "quantize_activations: x is a contiguous 2-d bf16 or float32 tensor, a multiple of ", kActBlock,
@@ -872,12 +918,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tenso
     const int64_t m = x.size(0), k = x.size(1);
     auto values = torch::empty({m, k}, x.options().dtype(at::kChar));
     auto scales = torch::empty({m, k / kActBlock}, x.options().dtype(at::kFloat));
-    for (int64_t r = 0; r < m; ++r) {
-        auto* v = values.data_ptr<int8_t>() + r * k;
-        auto* d = scales.data_ptr<float>() + r * (k / kActBlock);
-        x.scalar_type() == at::kBFloat16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, v, d)
-                                         : quantize_row(x.data_ptr<float>() + r * k, k, v, d);
-    }
+    quantize_rows(x, m, values.data_ptr<int8_t>(), scales.data_ptr<float>(), vector && vnni_path());
     return {values, scales};
 }
 

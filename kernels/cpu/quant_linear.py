@@ -48,7 +48,10 @@ def linear_portable(
     )
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's int8 values [rows, k] and float32 scales [rows, k / 32] as the kernel rounds them."""
-    values, scales = _module.quantize_activations(x.contiguous())
+def quantize_activations(
+    x: torch.Tensor, portable: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's int8 values [rows, k] and float32 scales [rows, k / 32] as the kernel rounds them
+    (`portable`: as the portable loop does, whatever this CPU has)."""
+    values, scales = _module.quantize_activations(x.contiguous(), not portable)
     return values, scales

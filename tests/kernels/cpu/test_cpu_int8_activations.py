@@ -70,15 +70,18 @@ def _float64_reference(
 
 
 @needs_kernel
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_activation_rounding_equals_the_torch_reference_bit_for_bit(dtype: torch.dtype) -> None:
+def test_activation_rounding_equals_the_torch_reference_bit_for_bit(
+    dtype: torch.dtype, portable: bool
+) -> None:
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 4 * BLOCK, generator=gen) * 5).to(dtype)
     x[1, :BLOCK] = 0
     # Halves: x / d lands on .5 in each of these blocks (max 127 -> d = 1), ties to even.
     x[2, :BLOCK] = torch.tensor([127.0, 2.5, -2.5, 3.5, 0.5, -0.5] + [1.0] * (BLOCK - 6))
     x[3, :BLOCK] = torch.full((BLOCK,), -1e-30).to(dtype)  # tiny but not zero
-    values, scales = quant_linear.quantize_activations(x)
+    values, scales = quant_linear.quantize_activations(x, portable)
     want_values, want_scales = quantize_activations(x)
     assert values.dtype == torch.int8 and scales.dtype == torch.float32
     assert torch.equal(values, want_values)
