@@ -25,6 +25,34 @@
 // Without AVX512-BF16 (or to check the vector code) a portable loop over the same layout, which
 // the compiler vectorizes for the build's target.
 //
+// int8 activations (opt-in: --quantize-activations int8; 4-bit weights in groups of a multiple
+// of 32; AVX512-VNNI and AVX512-VBMI): each row's inputs are rounded per block of 32 to int8 with
+// a float32 scale (d = max |x| / 127, x / d to nearest with ties to even; a block of zeros has
+// d = 0), as llama.cpp's Q8_0 does to a row. Two steps (16 columns x 4 inputs) are regrouped in
+// registers from the same packed layout (one shift, one mask, one `vpermb`) into `vpdpbusd`'s
+// unsigned operand: 64 exact integer products an instruction, twice a `vdpbf16ps`'s, and no
+// widening to bf16 (a 4-bit value is already a u8). A block's int32 sums enter the float32 totals
+// times d x the group's scale; a group's min times its float32 sum of the unrounded inputs, as
+// above. So the numbers are the float64 formula on the rounded activations within float32
+// rounding (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
+// row count takes these 8-row tiles (integer products beat de-quantizing into bf16 past 64 rows
+// too). 8-bit weights stay on the exact path: `vpdpbusd` multiplies an unsigned byte by a signed
+// one, and a signed weight by a signed activation is neither.
+// Against bf16_linear on the default model's 120 linears (bench/quant_kernel.py --passes 5, one
+// thread, the same Zen 4, 2026-11-26, two runs, load average 0.4-1.6; all formats alternating in
+// one process), bf16's median over the format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
+// exact 1.54-1.65 / 1.32-1.46 / 0.95-1.04 / 0.89-0.99 / 0.83-0.87 / 0.79 / 0.84, with int8
+// activations 2.07-2.23 / 1.51-1.69 / 1.18-1.23 / 1.18-1.19 / 1.07-1.12 / 1.01-1.09 / 1.05-1.06;
+// Q4_0 exact 1.82-1.99 / 1.42-1.62 / 0.98-1.10 / 0.92-0.96 / 0.85-0.90 / 0.80 / 0.85-0.86, with
+// int8 activations 2.06-2.29 / 1.58-1.80 / 1.23-1.26 / 1.21 / 1.14-1.15 / 1.04-1.11 / 1.05-1.08.
+// Past 8 rows a tile's time is about half `vpdpbusd` (1 a cycle here, as `vdpbf16ps`) and half
+// the rest: unpacking the quads, each block's scaling of its 16 sums into the totals, the
+// totals' loads and stores. Tried and dropped: `vpdpbusd` with its activation broadcast from
+// memory ({1to16}), 1.3x slower at 8-16 rows. With GCC's `_mm512_dpbusd_epi32` the register
+// allocator copied every sum and spilled some in the quad loop (2 moves a multiply: 28.4 ms for
+// the 120 linears at 16 rows against 25.6 with the asm statement, both before the block was
+// inlined), so the multiply is an asm statement (see dpbusd).
+//
 // The vector code is compiled for AVX512 whatever the build's target (function attributes) and
 // chosen at run time from the CPU's own flags, so an image built for x86-64-v3 still takes it.
 //
@@ -599,10 +627,9 @@ VNNI_TARGET inline __m512i quad_order() {
     return _mm512_load_si512(idx);
 }
 
-// acc + the int32 sums of u (u8) x x (s8) four by four: `vpdpbusd` in place. GCC's builtin
-// names a fresh destination, and in the quad loop its register allocator answered with a copy
-// of every sum and spills each iteration (2 moves per multiply; 28 ms instead of 21 for the
-// default model's linears at 16 rows); the asm ties the sum to its register.
+// acc + the int32 sums of u (u8) x x (s8) four by four: `vpdpbusd` in place. With GCC's builtin
+// the register allocator copied every sum and spilled some in the quad loop (see the header);
+// the asm ties the sum to its register.
 VNNI_TARGET inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
 #if defined(__GNUC__) && !defined(__clang__)
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x));
@@ -624,8 +651,9 @@ VNNI_TARGET inline void store_row(T* dst, __mmask16 m, __m512 y) {
 // One block of 32 inputs of rows [0, R) against a work item's two column blocks (the quads
 // from `s` on): 8 quads of `vpdpbusd` into exact int32 sums, then added into the float32 totals
 // `tot` [2][R][16] times each row's activation scale and each column's group scale (`sc`, [2][16]).
-// Not inlined, and the totals in memory: inlined into the group loop, the compiler kept them in
-// registers too and spilled the int32 sums inside the quad loop instead (2x slower at 8 rows).
+// The totals live in memory (touched once a block): the 16 int32 sums, two quads, the order
+// table and a broadcast row take the registers. (The same as a function not inlined was 1.2x
+// slower at 8-16 rows: its calls and the sums' zeroing broke the overlap between blocks.)
 template <int R, bool kPrefetch>
 VNNI_TARGET inline void block_int8(const uint8_t* q0, const uint8_t* q1, int64_t pairs,
                                                       const int32_t* xq, int64_t quads, int64_t s,
