@@ -335,7 +335,10 @@ def activation_quantization_unfit(quantization: str | None, platform: Platform) 
     except ImportError as exc:
         return f"its kernel (kernels/cpu/quant_linear) does not load: {exc}"
     if not quant_linear.VNNI:
-        return "this CPU lacks AVX512-VNNI or AVX512-VBMI (the kernel's integer dot products)"
+        return (
+            "this CPU lacks AVX512-VNNI, AVX512-VBMI or AVX512-BF16 (the kernel's integer dot "
+            "products, byte permutes and bf16 stores)"
+        )
     return None
 
 

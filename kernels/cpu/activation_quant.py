@@ -31,7 +31,7 @@ def reference_int8_linear(
     x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The kernel's formula in float32 torch ops: sum over groups of scale x (q . a d) plus
-    min x the group's sum of the unrounded inputs (the order of the sums differs)."""
+    min x the group's sum of the rounded inputs a d (the order of the sums differs)."""
     unpacked = unpack(weight)
     rows, k = x.shape
     values, scales = quantize_activations(x)
@@ -39,7 +39,7 @@ def reference_int8_linear(
     groups = unpacked.scales.shape[1]
     w = unpacked.q.to(torch.float32).view(-1, groups, k // groups) * unpacked.scales.unsqueeze(-1)
     out = F.linear(rounded, w.view(-1, k), bias)
-    if unpacked.mins is not None:
-        sums = x.to(torch.float32).view(rows, groups, k // groups).sum(dim=-1)
+    if unpacked.mins is not None:  # the min meets the rounded inputs too
+        sums = rounded.view(rows, groups, k // groups).sum(dim=-1)
         out = out + F.linear(sums, unpacked.mins)
     return out.to(x.dtype)

@@ -26,15 +26,16 @@
 // the compiler vectorizes for the build's target.
 //
 // int8 activations (opt-in: --quantize-activations int8; 4-bit weights in groups of a multiple
-// of 32; AVX512-VNNI and AVX512-VBMI): each row's inputs are rounded per block of 32 to int8 with
-// a float32 scale (d = max |x| / 127, x / d to nearest with ties to even; a block of zeros has
-// d = 0), as llama.cpp's Q8_0 does to a row. Two steps (16 columns x 4 inputs) are regrouped in
+// of 32; AVX512-VNNI, AVX512-VBMI and, for its bf16 stores, AVX512-BF16): each row's inputs are
+// rounded per block of 32 to int8 with a float32 scale (d = max |x| / 127, x / d to nearest
+// with ties to even; a block of zeros has d = 0), as llama.cpp's Q8_0 does to a row. Two steps (16 columns x 4 inputs) are regrouped in
 // registers from the same packed layout (one shift, one mask, one `vpermb`) into `vpdpbusd`'s
 // unsigned operand: 64 exact integer products an instruction, twice a `vdpbf16ps`'s, and no
 // widening to bf16 (a 4-bit value is already a u8). A block's int32 sums enter the float32 totals
-// times d x the group's scale; a group's min times its float32 sum of the unrounded inputs, as
-// above. So the numbers are the float64 formula on the rounded activations within float32
-// rounding (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
+// times d x the group's scale; a group's min times the float32 sum of its blocks' d x integer
+// sums (the rounded inputs, so that a weight's whole value meets them). So the numbers are the
+// float64 formula on the rounded activations within float32 rounding
+// (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
 // row count takes these 8-row tiles (integer products beat de-quantizing into bf16 past 64 rows
 // too). 8-bit weights stay on the exact path: `vpdpbusd` multiplies an unsigned byte by a signed
 // one, and a signed weight by a signed activation is neither.
@@ -851,9 +852,30 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     // decode step's few rows, torch ops here cost more than the sums (three ops a linear took
     // the default model's 120 linears at 1 row from ~8 to ~14 ms).
     std::vector<float> xsums;
+    std::vector<int8_t> values;
+    std::vector<float> act_scales;
+    const bool vnni = vector && vnni_path();
+    if (int8_activations) {
+        values.resize(m * k);
+        act_scales.resize(m * (k / kActBlock));
+        quantize_rows(x, m, values.data(), act_scales.data(), vnni);
+    }
     // 4-bit bf16 on the exact path: the 128 offset's sums.
     const bool need_xsums = mins || (four_bit && is_bf16 && !int8_activations);
-    if (need_xsums) {
+    if (need_xsums && int8_activations) {
+        // The min multiplies the group's sum of the *rounded* inputs (over its blocks, d x the
+        // block's integer sum), so that a weight's whole value, q x scale + min, meets the same
+        // rounded input: the output's error is then the de-quantized weights times the rounding,
+        // as in llama.cpp's Q4_0 x Q8_0. With the unrounded sums it was q x scale's, several
+        // times larger where the min is near -8 x scale (Q4_0, symmetric int4).
+        xsums.assign(m * groups, 0.0f);
+        const int64_t blocks = k / kActBlock, group_blocks = blocks / groups;
+        for (int64_t b = 0; b < m * blocks; ++b) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < kActBlock; ++i) sum += values[b * kActBlock + i];
+            xsums[b / group_blocks] += act_scales[b] * static_cast<float>(sum);
+        }
+    } else if (need_xsums) {
         xsums.assign(m * groups, 0.0f);
         const int64_t group = k / groups;
         const at::BFloat16* xb = is_bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
@@ -865,15 +887,11 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     const Weights w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr,
                     bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
-    const bool fast = vector && vector_path();
     if (int8_activations) {
-        std::vector<int8_t> values(m * k);
-        std::vector<float> act_scales(m * (k / kActBlock));
-        const bool vnni = vector && vnni_path();
-        quantize_rows(x, m, values.data(), act_scales.data(), vnni);
         run_int8(ActRows{values.data(), act_scales.data()}, m, w, out, vnni);
         return out;
     }
+    const bool fast = vector && vector_path();
     // From how many rows a work item de-quantizes its weights into bf16 first (see
     // dequantize_bf16): past the decode row counts. Below, the steps are widened in registers
     // for every tile of 8 rows, which at 8-32 rows costs less than writing and reading back the
@@ -965,6 +983,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("vector_path", &vector_path, "whether this CPU takes the AVX512-BF16 code");
     m.def("linear_portable", &linear_portable, "the portable loop, whatever the CPU has (for checks)");
-    m.def("vnni_path", &vnni_path, "whether this CPU takes the int8-activation code (AVX512-VNNI and VBMI)");
+    m.def("vnni_path", &vnni_path, "whether this CPU takes the int8-activation code (AVX512-VNNI, VBMI and BF16)");
     m.def("quantize_activations", &quantize_activations, "x's int8 values and scales per block of 32");
 }

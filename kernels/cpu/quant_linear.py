@@ -19,7 +19,7 @@ _module = load("quant_linear")
 
 # Whether this CPU takes the vector code (AVX512-BF16) rather than the portable loop.
 VECTOR: bool = _module.vector_path()
-# Whether it takes the int8-activation vector code (AVX512-VNNI and VBMI) rather than the loop.
+# Whether it takes the int8-activation vector code (AVX512-VNNI, VBMI and BF16) rather than the loop.
 VNNI: bool = _module.vnni_path()
 
 

@@ -5,6 +5,7 @@ it: no quantized weights, 8-bit ones, --batch-invariant, a GPU."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,9 +38,12 @@ PROMPTS = [
     [6403, 1980, 253, 655, 28, 665, 436, 253],
 ]
 # Measured on a Zen 4 (AVX512-VNNI, 2026-11-26), 16 greedy tokens a prompt against the exact
-# Q4_1 path: the tokens agreed before the first difference 12 / 13 / 9 / 16, the largest
-# logprob difference over them 0.46. The bounds leave a little room for the order of the sums.
-AGREED_TOKENS, LOGPROB_BOUND = 8, 0.6
+# Q4_1 path: the tokens agreed before the first difference 5 / 16 / 16 / 16 (the first prompt
+# parts where the exact path's token had probability 0.39), the largest logprob difference over
+# them 0.233. The bounds leave a little room for the order of the sums.
+AGREED_EACH, AGREED_ALL, LOGPROB_BOUND = 4, 48, 0.35
+# A difference only where the exact path was unsure: its token below this probability.
+UNSURE = math.log(0.5)
 Trace = list[list[tuple[int, float]]]
 
 
@@ -78,15 +82,18 @@ def test_greedy_tokens_and_logprobs_stay_near_the_exact_q4_1_path(
     traces: tuple[Trace, Trace],
 ) -> None:
     exact, int8 = traces
-    worst_overall = 0.0
+    worst_overall, agreed_all = 0.0, 0
     for want, got in zip(exact, int8):
         agreed = 0
         while agreed < len(want) and want[agreed][0] == got[agreed][0]:
             agreed += 1
-        assert agreed >= AGREED_TOKENS, (want, got)
+        assert agreed >= AGREED_EACH, (want, got)
+        if agreed < len(want):
+            assert want[agreed][1] < UNSURE, (want, got)
         worst = max(abs(a[1] - b[1]) for a, b in zip(want[:agreed], got[:agreed]))
         assert worst <= LOGPROB_BOUND, (want, got)
-        worst_overall = max(worst_overall, worst)
+        worst_overall, agreed_all = max(worst_overall, worst), agreed_all + agreed
+    assert agreed_all >= AGREED_ALL
     assert worst_overall > 0  # the activations really were rounded
 
 
@@ -115,4 +122,4 @@ def test_on_a_gpu_it_is_refused() -> None:
     assert activation_quantization_unfit("gguf", gpu) == "it runs on the CPU, not a GPU"
     cpu = Platform("cpu", torch.bfloat16, 64, None, lambda _: None)
     why_not = activation_quantization_unfit("gguf", cpu)
-    assert why_not is None if VNNI else "AVX512-VNNI" in str(why_not)
+    assert (why_not is None) == VNNI

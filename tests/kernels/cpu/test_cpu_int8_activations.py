@@ -25,7 +25,7 @@ except KernelUnavailable:  # pragma: no cover - the torch fallback is checked be
 
 needs_kernel = pytest.mark.skipif(quant_linear is None, reason="quant_linear not built here")
 
-ROW_COUNTS = [1, 7, 8, 16, 65]
+ROW_COUNTS = [1, 7, 8, 16, 65, 300]  # 300: a second block of rows (row0 > 0)
 K = 256  # 8 activation blocks: 8 groups of 32, or 2 of 128
 N = 45  # one 32-column item and a part of the next
 
@@ -61,10 +61,12 @@ def _float64_reference(
     terms = dots * d.to(torch.float64).unsqueeze(1) * scale.unsqueeze(0)
     out, magnitude = terms.sum(-1), terms.abs().sum(-1)
     if weight.mins is not None:
-        grouped = x.to(torch.float64).view(rows, groups, K // groups)
+        # The min times the group's sum of the rounded inputs: d x each block's integer sum.
+        block_sums = a.sum(-1).to(torch.float64) * d.to(torch.float64)  # [rows, blocks]
+        grouped = block_sums.view(rows, groups, blocks // groups)
         mins = weight.mins.to(torch.float64)
         out = out + grouped.sum(-1) @ mins.T
-        # The group's float32 input sum: its terms' magnitudes, times the min.
+        # The group's float32 sum: its terms' magnitudes, times the min.
         magnitude = magnitude + grouped.abs().sum(-1) @ mins.abs().T
     return out + bias.to(torch.float64), magnitude
 
