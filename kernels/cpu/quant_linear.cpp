@@ -784,26 +784,21 @@ void run_int8(const ActRows& xa, int64_t m, const Weights& w, torch::Tensor& out
             const int64_t block = 2 * (i % column_items);
             const ActRows xr{xa.values + row0 * w.k, xa.scales + row0 * blocks};
             const float* xs = w.xsums ? w.xsums + row0 * w.groups : nullptr;
+            // The same for either output type: the item's rows, vector or portable.
+            auto item = [&](auto* op) {
+#if defined(PAGEDSERVE_X86)
+                if (vnni) {
+                    item_int8(rows, xr, xs, w, op, block);
+                    return;
+                }
+#endif
+                portable_int8_block(xr, rows, w, op, block, row0);
+                portable_int8_block(xr, rows, w, op, block + 1, row0);
+            };
             if (is_bf16) {
-                auto* op = out.data_ptr<at::BFloat16>() + row0 * w.n;
-#if defined(PAGEDSERVE_X86)
-                if (vnni) {
-                    item_int8(rows, xr, xs, w, op, block);
-                    continue;
-                }
-#endif
-                portable_int8_block(xr, rows, w, op, block, row0);
-                portable_int8_block(xr, rows, w, op, block + 1, row0);
+                item(out.data_ptr<at::BFloat16>() + row0 * w.n);
             } else {
-                auto* op = out.data_ptr<float>() + row0 * w.n;
-#if defined(PAGEDSERVE_X86)
-                if (vnni) {
-                    item_int8(rows, xr, xs, w, op, block);
-                    continue;
-                }
-#endif
-                portable_int8_block(xr, rows, w, op, block, row0);
-                portable_int8_block(xr, rows, w, op, block + 1, row0);
+                item(out.data_ptr<float>() + row0 * w.n);
             }
         }
     });
