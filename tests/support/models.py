@@ -225,6 +225,35 @@ def greedy_of(
     return results
 
 
+def hf_greedy_batched(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy tokens for all prompts in one left-padded batch, EOS ignored. A real
+    model's float32 weights are read once a step for the whole batch rather than once a prompt
+    (the default model's are 540 MB): about 2x faster than `hf_greedy` for eight prompts. Padded
+    positions are masked out exactly; only the order of some float32 sums differs from one
+    prompt at a time, as it does in the engine's own batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    out = model.generate(  # type: ignore[operator]
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, width:].tolist()
+
+
 @cache
 def _float32_model(folder: str):
     from transformers import AutoModelForCausalLM
