@@ -104,12 +104,14 @@ class ModelConfig(_Strict):
         "weights quantized at load to float8_e4m3fn with a scale per output channel, activations "
         "per token; default: the checkpoint's weights)",
     )
-    quantize_activations: Literal["int8"] | None = Field(
+    quantize_activations: Literal["int8", "none"] | None = Field(
         None,
         description="int8: 4-bit quantized weights (gguf Q4_0/Q4_1/Q4_K, compressed-tensors, gptq, "
         "awq int4) multiplied with their activations rounded to int8 per block of 32 (integer "
         "products, AVX512-VNNI on the CPU: faster, not the exact numbers); 8-bit weights stay "
-        "exact; default: activations as they are",
+        "exact; none: activations as they are, also for a checkpoint that declares dynamic int8 "
+        "ones (W8A8, W4A8); default: int8 where such a checkpoint declares them and they run, "
+        "else activations as they are",
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",
@@ -135,7 +137,7 @@ class ModelConfig(_Strict):
             raise ValueError(
                 f"{flag('batch_invariant')} needs the prepacked CPU weights that {flag('enforce_eager')} turns off"
             )
-        if self.batch_invariant and self.quantize_activations is not None:
+        if self.batch_invariant and self.quantize_activations == "int8":
             raise ValueError(
                 f"{flag('quantize_activations')} is not for {flag('batch_invariant')} (its weights "
                 "are quantized, and their kernel's order depends on the batch's rows)"

@@ -16,7 +16,11 @@ The value of an integer weight is (q - zero point) * scale. The kernel's is q' *
 8-bit ones the signed value with min = -zero point * scale. With the scales in bf16 or fp16, as
 checkpoints store them, both sides are exact in float32.
 
-Anything else a config may say (activation quantization other than FP8's dynamic one, 2:4
+Integer weights with dynamic symmetric int8 activations (W8A8, W4A8) run as
+`--quantize-activations int8` runs (activations rounded per block of 32 inputs, at least as fine
+as the checkpoint's per-token scale) where that runs, else with 16-bit activations.
+
+Anything else a config may say (other activation quantization, 2:4
 sparsity, transforms, a quantized KV cache, block or tensor-group strategies, other formats) is
 refused at start-up with the field named. Layers named in `ignore` stay dense."""
 
@@ -54,6 +58,9 @@ class WeightScheme:
     # FP8 weights whose activations the checkpoint declares dynamic FP8 (FP8_DYNAMIC); without
     # them a checkpoint means 16-bit activations (weight-only FP8).
     fp8_activations: bool = False
+    # Integer weights whose activations the checkpoint declares dynamic int8 (W8A8, W4A8): run
+    # with --quantize-activations int8's integer products where those run.
+    int8_activations: bool = False
 
 
 def _matches(target: str, prefix: str) -> bool:
@@ -81,11 +88,19 @@ class CompressedTensorsFormat:
     def has_float(self) -> bool:
         return any(s.type == "float" for s in self.schemes)
 
+    @property
+    def int8_activations(self) -> bool:
+        """Every integer scheme declares dynamic int8 activations (a checkpoint mixing them with
+        weight-only schemes keeps 16-bit activations: the flag applies to every linear)."""
+        ints = [s for s in self.schemes if s.type == "int"]
+        return bool(ints) and all(s.int8_activations for s in ints)
+
     def describe(self) -> str:
         parts = [
             f"{s.format} {s.type}{s.num_bits} {s.strategy}"
             + (f" {s.group_size}" if s.strategy == "group" else "")
             + ("" if s.symmetric else " asymmetric")
+            + (" with dynamic int8 activations" if s.int8_activations else "")
             for s in self.schemes
         ]
         how = "integers read as stored"
@@ -242,15 +257,14 @@ def _scheme(where: str, name: str, group: dict[str, Any], fallback: str | None) 
         # runs of consecutive inputs.
         raise _field(where, f"{path}.weights.actorder", "group", "groups in input order only")
     acts = group.get("input_activations")
-    if acts is not None:
-        fp8_dynamic = acts.get("type") == "float" and acts.get("num_bits") == 8
-        if kind != "float" or not fp8_dynamic or acts.get("dynamic") is not True:
-            raise _field(
-                where,
-                f"{path}.input_activations",
-                acts,
-                "of quantized activations, only FP8 weights' dynamic FP8 ones are accepted",
-            )
+    if acts is not None and _activations(acts) != kind:
+        raise _field(
+            where,
+            f"{path}.input_activations",
+            acts,
+            "of quantized activations, FP8 weights' dynamic FP8 ones and integer weights' "
+            "dynamic symmetric int8 ones (per token or tensor) are accepted",
+        )
     if group.get("output_activations") is not None:
         raise _field(where, f"{path}.output_activations", group["output_activations"], "none")
     targets = group.get("targets") or []
@@ -266,8 +280,24 @@ def _scheme(where: str, name: str, group: dict[str, Any], fallback: str | None) 
         symmetric,
         strategy,
         group_size,
-        fp8_activations=acts is not None,  # only dynamic FP8 ones get this far
+        # Only the weights' own kind of dynamic activations gets this far.
+        fp8_activations=acts is not None and kind == "float",
+        int8_activations=acts is not None and kind == "int",
     )
+
+
+def _activations(acts: object) -> str | None:
+    """The weight type whose declared activations these are (float: dynamic FP8; int: dynamic
+    symmetric int8 per token or per tensor, which int8 rounding per block of 32 inputs matches or
+    refines), or None for any other (static scales, asymmetric, other widths)."""
+    if not isinstance(acts, dict) or acts.get("dynamic") is not True or acts.get("num_bits") != 8:
+        return None
+    if acts.get("type") == "float":
+        return "float"
+    symmetric = acts.get("symmetric", True) is True
+    if acts.get("type") == "int" and symmetric and acts.get("strategy") in ("token", "tensor"):
+        return "int"
+    return None
 
 
 def parse_compressed_tensors(config: dict[str, Any], where: str) -> CompressedTensorsFormat:

@@ -9,11 +9,12 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PretrainedConfig
 
-from config import ConfigError, EngineConfig
+from config import ConfigError, EngineConfig, ModelConfig
 from engine.distributed.shard import Shard, check_shardable
 from engine.errors import ModelLoadError
 from engine.loading.compressed_tensors import CompressedTensorsFormat
@@ -161,15 +162,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
             log.info("weights: %s", linear_format.describe())
         else:
             log.info("weights: %s (quantized at load)", quantization)
-    if config.model.quantize_activations is not None:
-        why_not = activation_quantization_unfit(quantization, platform)
-        if why_not is not None:
-            raise ConfigError(
-                f"--quantize-activations {config.model.quantize_activations}: {why_not}"
-            )
-        log.info(
-            "activations: rounded to int8 per block of 32 for the 4-bit linears (integer products)"
-        )
+    activations = resolve_activations(config.model, quantization, linear_format, platform)
     if config.lora.enable_lora:
         why_not = lora_unfit(info, runner, quantization, config.model.batch_invariant)
         if why_not is not None:
@@ -190,7 +183,7 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         quantization=quantization,
         gguf_file=gguf_file,
         linear_format=linear_format,
-        quantize_activations=config.model.quantize_activations,
+        quantize_activations=activations,
     )
 
 
@@ -315,6 +308,33 @@ def quantization_unfit(
         # rows too).
         return "not with --batch-invariant (its kernel's order depends on the batch's rows)"
     return None
+
+
+def resolve_activations(
+    model: ModelConfig,
+    quantization: str | None,
+    linear_format: LinearFormat | None,
+    platform: Platform,
+) -> Literal["int8"] | None:
+    """int8 where --quantize-activations int8 says so (refused where it cannot run), or where a
+    checkpoint declares dynamic int8 activations (W8A8, W4A8) and they can run here; else None:
+    the activations as they are (bf16 or float32 products, more exact than the checkpoint asked
+    for where it declared int8 ones)."""
+    named = model.quantize_activations
+    declared = isinstance(linear_format, CompressedTensorsFormat) and linear_format.int8_activations
+    if named == "none" or (named is None and not declared):
+        if declared:
+            log.info("activations: 16-bit (--quantize-activations none), not the checkpoint's int8")
+        return None
+    why_not = activation_quantization_unfit(quantization, platform)
+    if why_not is not None:
+        if named == "int8":
+            raise ConfigError(f"--quantize-activations int8: {why_not}")
+        log.info("activations: 16-bit, not the checkpoint's dynamic int8 (%s)", why_not)
+        return None
+    source = "--quantize-activations int8" if named == "int8" else "the checkpoint's dynamic int8"
+    log.info("activations: %s, rounded per block of 32 inputs (integer products)", source)
+    return "int8"
 
 
 def activation_quantization_unfit(quantization: str | None, platform: Platform) -> str | None:

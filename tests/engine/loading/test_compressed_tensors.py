@@ -193,11 +193,12 @@ def test_the_flag_for_a_plain_checkpoint_is_refused(sources) -> None:
         ),
         (
             {
+                # Static int8 activations: their scales are fixed in the file.
                 "config_groups.group_0.input_activations": {
                     "num_bits": 8,
                     "type": "int",
-                    "dynamic": True,
-                    "strategy": "token",
+                    "dynamic": False,
+                    "strategy": "tensor",
                 }
             },
             r"group_0\.input_activations",
@@ -210,7 +211,7 @@ def test_the_flag_for_a_plain_checkpoint_is_refused(sources) -> None:
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
         ({"quant_method": "bitsandbytes"}, r"quant_method is 'bitsandbytes'"),
     ],
-    ids=["bits-3", "2:4", "format", "int8-activations", "block", "class", "kv", "method"],
+    ids=["bits-3", "2:4", "format", "static-int8-activations", "block", "class", "kv", "method"],
 )
 def test_settings_it_cannot_serve_are_refused_naming_the_field(
     w4_copy: Path, changes: dict, field: str
