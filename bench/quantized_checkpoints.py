@@ -1,5 +1,6 @@
-"""Quantized checkpoints of the default model (compressed-tensors W4A16, W8A16, FP8) against its
-bf16 model: greedy agreement and logprob error, then decode step time side by side.
+"""Quantized checkpoints of the default model (compressed-tensors W4A16, W8A16, FP8, and W4A8 and
+W8A8 with their dynamic int8 activations) against its bf16 model: greedy agreement and logprob
+error, then decode step time side by side.
 
     python bench/quantized_checkpoints.py [--batches 1,16] [--steps 24] [--rounds 5] [--no-timing]
 
@@ -35,6 +36,9 @@ SCHEMES = {
     "W4A16 asym g64": ("W4A16_ASYM", "pack-quantized", 64),
     "W8A16 per row": ("W8A16", "pack-quantized", None),
     "FP8 dynamic": ("FP8_DYNAMIC", "float-quantized", None),
+    # Dynamic int8 activations declared: served with the integer products where they run.
+    "W4A8 g64": ("W4A8", "pack-quantized", 64),
+    "W8A8 per row": ("W8A8", "int-quantized", None),
 }
 # The default tokenizer's ids of "The capital of France is", "def fibonacci(n):", "Water boils
 # at a temperature of", "Once upon a time, there was a" (as tests/engine/loading/test_gguf.py).
