@@ -1,5 +1,6 @@
 """Activations rounded to int8 per block of 32 inputs (llama.cpp's Q8_0 applied to a row), as
-kernels/cpu/quant_linear multiplies them with 4-bit weights under --quantize-activations int8;
+kernels/cpu/quant_linear multiplies them with 4-bit and 8-bit weights under
+--quantize-activations int8;
 and the float32 linear of that arithmetic in torch, the fallback where the kernel does not load.
 
 A block's scale is d = max |x| / 127 in float32, its values round(x / d), to nearest with ties to

@@ -25,8 +25,9 @@
 // Without AVX512-BF16 (or to check the vector code) a portable loop over the same layout, which
 // the compiler vectorizes for the build's target.
 //
-// int8 activations (opt-in: --quantize-activations int8; 4-bit weights in groups of a multiple
-// of 32; AVX512-VNNI, AVX512-VBMI and, for its bf16 stores, AVX512-BF16): each row's inputs are
+// int8 activations (opt-in: --quantize-activations int8; 4-bit or 8-bit weights in groups of a
+// multiple of 32, the whole row included; AVX512-VNNI, AVX512-VBMI and, for its bf16 stores,
+// AVX512-BF16): each row's inputs are
 // rounded per block of 32 to int8 with a float32 scale (d = max |x| / 127, x / d to nearest
 // with ties to even; a block of zeros has d = 0), as llama.cpp's Q8_0 does to a row. Two steps (16 columns x 4 inputs) are regrouped in
 // registers from the same packed layout (one shift, one mask, one `vpermb`) into `vpdpbusd`'s
@@ -37,8 +38,12 @@
 // float64 formula on the rounded activations within float32 rounding
 // (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
 // row count takes these 8-row tiles (integer products beat de-quantizing into bf16 past 64 rows
-// too). 8-bit weights stay on the exact path: `vpdpbusd` multiplies an unsigned byte by a signed
-// one, and a signed weight by a signed activation is neither.
+// too). 8-bit weights (any int8 q, -128..127): `vpdpbusd` multiplies an unsigned byte by a signed
+// one, so a quad's bytes are flipped at their top bit (one `vpxord` a quad, shared by a tile's
+// rows), q ^ 0x80 = q + 128 as an unsigned byte, and each block's int32 sums start at -128 x the
+// row's integer sum of the block's activations (computed once when the rows are rounded): they
+// end exactly at sum(q x a), and the rest is the 4-bit path's. Two 8-bit steps are one 64-byte
+// load and one `vpermb` regroups them (no nibbles to unpack).
 // Against bf16_linear on the default model's 120 linears (bench/quant_kernel.py --passes 5, one
 // thread, the same Zen 4, 2026-11-26, two runs, load average 0.4-1.6; all formats alternating in
 // one process), bf16's median over the format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
@@ -46,6 +51,12 @@
 // activations 2.07-2.23 / 1.51-1.69 / 1.18-1.23 / 1.18-1.19 / 1.07-1.12 / 1.01-1.09 / 1.05-1.06;
 // Q4_0 exact 1.82-1.99 / 1.42-1.62 / 0.98-1.10 / 0.92-0.96 / 0.85-0.90 / 0.80 / 0.85-0.86, with
 // int8 activations 2.06-2.29 / 1.58-1.80 / 1.23-1.26 / 1.21 / 1.14-1.15 / 1.04-1.11 / 1.05-1.08.
+// 8-bit weights, the same runs' conditions (bench/quant_kernel.py --passes 5, one thread, Zen 4,
+// 2026-11-26, load average 1.8-2.4 with other work on the machine): bf16's median over the
+// format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows, int8 per row exact 1.66 / 1.41 / 1.09 / 1.02 /
+// 1.01 / 0.91 / 0.99, with int8 activations 1.57 / 2.14 / 1.55 / 1.65 / 1.52 / 1.45 / 1.41; Q8_0
+// exact 1.50 / 1.43 / 0.99 / 0.93 / 0.97 / 0.91 / 0.99, with int8 activations 1.61 / 1.69 / 1.26 /
+// 1.41 / 1.46 / 1.35 / 1.37.
 // Past 8 rows a tile's time is about half `vpdpbusd` (1 a cycle here, as `vdpbf16ps`) and half
 // the rest: unpacking the quads, each block's scaling of its 16 sums into the totals, the
 // totals' loads and stores. Tried and dropped: `vpdpbusd` with its activation broadcast from
@@ -182,10 +193,12 @@ void portable_item(const T* x, int64_t rows, const Weights& w, T* out, int64_t b
 constexpr int64_t kActBlock = 32;  // inputs of one activation scale (llama.cpp's Q8_0 block)
 
 // A batch's activations quantized per block of kActBlock inputs: values [rows][k] int8, scales
-// [rows][k / kActBlock] float32; an input is about value x scale.
+// [rows][k / kActBlock] float32; an input is about value x scale. For 8-bit weights also each
+// block's integer sum [rows][k / kActBlock] (see block_int8: 128 x it comes off every sum).
 struct ActRows {
     const int8_t* values;
     const float* scales;
+    const int32_t* sums;  // null for 4-bit weights
 };
 
 // d = max |x| / 127 (float32 division), a = x / d rounded to nearest, ties to even (the
@@ -211,12 +224,15 @@ void quantize_row(const T* x, int64_t k, int8_t* values, float* scales) {
 
 // The int8 path's arithmetic over the same layout, column by column: per block an exact int32
 // sum of q x a, then the float32 total += sum x (d x scale), as the vector code does (fused
-// multiply-adds: the same numbers), and per group min x the group's input sum.
+// multiply-adds: the same numbers), and per group min x the group's input sum. An 8-bit q is
+// taken signed here; the vector code's (q + 128) x a less 128 x the block's sum of a is the same
+// int32 exactly, so both give the same numbers.
 template <typename T>
 void portable_int8_block(const ActRows& xa, int64_t rows, const Weights& w, T* out, int64_t block, int64_t row0) {
     const int64_t col0 = block * kCols;
     if (col0 >= w.n) return;
     const int64_t cols = std::min(kCols, w.n - col0), blocks = w.k / kActBlock, group_blocks = blocks / w.groups;
+    const bool four_bit = w.step == 16;
     const uint8_t* q = w.q + block * w.pairs * w.step;
     const float* s = w.scales + block * w.groups * kCols;
     const float* mn = w.mins ? w.mins + block * w.groups * kCols : nullptr;
@@ -230,7 +246,8 @@ void portable_int8_block(const ActRows& xa, int64_t rows, const Weights& w, T* o
                 for (int64_t p = blk * kActBlock / 2; p < (blk + 1) * kActBlock / 2; ++p) {
                     const uint8_t* step = q + p * w.step;
                     for (int64_t c = 0; c < kCols; ++c) {
-                        sum[c] += value_at(step, 2 * c, true) * xr[2 * p] + value_at(step, 2 * c + 1, true) * xr[2 * p + 1];
+                        sum[c] += value_at(step, 2 * c, four_bit) * xr[2 * p] +
+                                  value_at(step, 2 * c + 1, four_bit) * xr[2 * p + 1];
                     }
                 }
                 for (int64_t c = 0; c < kCols; ++c) {
@@ -602,28 +619,45 @@ VNNI_TARGET void quantize_row_vector(const T* x, int64_t k, int8_t* values, floa
     }
 }
 
-// A quad: two steps (pairs 2s and 2s + 1, 32 bytes) as 16 columns x 4 inputs, the u8 operand of
-// `vpdpbusd`. Both steps go to both halves of a vector, the upper half shifted by a nibble, one
-// mask keeps the nibbles, and one `vpermb` gathers each column's four values (its two values of
-// each step) into its 32-bit lane: the packed layout stays the one the exact path reads.
-VNNI_TARGET inline __m512i quad_u8(const uint8_t* steps, __m512i order) {
+// A quad: two steps (pairs 2s and 2s + 1) as 16 columns x 4 inputs, the u8 operand of
+// `vpdpbusd`, regrouped in registers so that the packed layout stays the one the exact path
+// reads. 4-bit (two steps are 32 bytes): both steps go to both halves of a vector, the upper
+// half shifted by a nibble, one mask keeps the nibbles, and one `vpermb` gathers each column's
+// four values (its two values of each step) into its 32-bit lane.
+template <int kBits>
+VNNI_TARGET inline __m512i quad_u8(const uint8_t* steps, __m512i order);
+
+template <>
+VNNI_TARGET inline __m512i quad_u8<4>(const uint8_t* steps, __m512i order) {
     const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps)));
     const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
                                              _mm512_set1_epi8(0x0F));
     return _mm512_permutexvar_epi8(order, nibbles);
 }
 
-// Byte 4c + j of a quad: column c's input j. After the shift and mask, byte i < 32 holds the low
-// nibble of the steps' byte i (columns 0-7), byte 32 + i its high nibble (columns 8-15); within
-// a step, byte 2c' + t is column c''s input t of the pair, the second step 16 bytes on.
+// 8-bit (two steps are 64 bytes, one load): one `vpermb` gathers each column's four bytes, and
+// flipping every byte's top bit turns a signed q (-128..127) into the unsigned q + 128 that
+// `vpdpbusd` takes; block_int8 takes the 128 x the activations' sum back off.
+template <>
+VNNI_TARGET inline __m512i quad_u8<8>(const uint8_t* steps, __m512i order) {
+    const __m512i bytes = _mm512_loadu_si512(steps);
+    return _mm512_xor_si512(_mm512_permutexvar_epi8(order, bytes), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Byte 4c + j of a quad: column c's input j. 4-bit: after the shift and mask, byte i < 32 holds
+// the low nibble of the steps' byte i (columns 0-7), byte 32 + i its high nibble (columns 8-15);
+// within a step, byte 2c' + t is column c''s input t of the pair, the second step 16 bytes on.
+// 8-bit: byte 2c + t of a step is column c's input t, the second step 32 bytes on.
+template <int kBits>
 VNNI_TARGET inline __m512i quad_order() {
     alignas(64) uint8_t idx[64];
     for (int c = 0; c < 16; ++c) {
-        const int base = (c < 8 ? 0 : 32) + 2 * (c % 8);
-        idx[4 * c + 0] = static_cast<uint8_t>(base);
-        idx[4 * c + 1] = static_cast<uint8_t>(base + 1);
-        idx[4 * c + 2] = static_cast<uint8_t>(base + 16);
-        idx[4 * c + 3] = static_cast<uint8_t>(base + 17);
+        for (int j = 0; j < 2; ++j) {  // the step
+            for (int t = 0; t < 2; ++t) {  // the input of its pair
+                const int at = kBits == 8 ? 32 * j + 2 * c + t : (c < 8 ? 0 : 32) + 2 * (c % 8) + 16 * j + t;
+                idx[4 * c + 2 * j + t] = static_cast<uint8_t>(at);
+            }
+        }
     }
     return _mm512_load_si512(idx);
 }
@@ -655,24 +689,29 @@ VNNI_TARGET inline void store_row(T* dst, __mmask16 m, __m512 y) {
 // The totals live in memory (touched once a block): the 16 int32 sums, two quads, the order
 // table and a broadcast row take the registers. (The same as a function not inlined was 1.2x
 // slower at 8-16 rows: its calls and the sums' zeroing broke the overlap between blocks.)
-template <int R, bool kPrefetch>
+// 8-bit: each quad holds q + 128, so a sum starts at -128 x the row's integer sum of the block
+// (`asum`), which leaves sum(q x a) exactly (|(q + 128) x a| summed over 32 inputs is at most
+// 32 x 255 x 127, far inside int32).
+template <int kBits, int R, bool kPrefetch>
 VNNI_TARGET inline void block_int8(const uint8_t* q0, const uint8_t* q1, int64_t pairs,
-                                                      const int32_t* xq, int64_t quads, int64_t s,
-                                                      const float* d, int64_t blocks, const float* sc,
-                                                      float* tot) {
-    const __m512i order = quad_order();
+                                   const int32_t* xq, int64_t quads, int64_t s, const float* d,
+                                   const int32_t* asum, int64_t blocks, const float* sc, float* tot) {
+    constexpr int64_t kStep = kBits == 8 ? 32 : 16;
+    const __m512i order = quad_order<kBits>();
     __m512i acc[2][R];
-    for (int b = 0; b < 2; ++b)
-        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+        const __m512i start = kBits == 8 ? _mm512_set1_epi32(-128 * asum[r * blocks]) : _mm512_setzero_si512();
+        acc[0][r] = acc[1][r] = start;
+    }
     for (const int64_t end = s + kActBlock / 4; s < end; ++s) {
         if constexpr (kPrefetch) {  // the next item's two blocks, a 64-byte line at a time
-            if (s % 2 == 0) {
-                _mm_prefetch(reinterpret_cast<const char*>(q1 + (pairs + 2 * s) * 16), _MM_HINT_T1);
-                _mm_prefetch(reinterpret_cast<const char*>(q1 + (2 * pairs + 2 * s) * 16), _MM_HINT_T1);
+            if (kBits == 8 || s % 2 == 0) {
+                _mm_prefetch(reinterpret_cast<const char*>(q1 + (pairs + 2 * s) * kStep), _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(q1 + (2 * pairs + 2 * s) * kStep), _MM_HINT_T1);
             }
         }
-        const __m512i u0 = quad_u8(q0 + 2 * s * 16, order);
-        const __m512i u1 = quad_u8(q1 + 2 * s * 16, order);
+        const __m512i u0 = quad_u8<kBits>(q0 + 2 * s * kStep, order);
+        const __m512i u1 = quad_u8<kBits>(q1 + 2 * s * kStep, order);
         for (int r = 0; r < R; ++r) {
             const __m512i xb = _mm512_set1_epi32(xq[r * quads + s]);
             acc[0][r] = dpbusd(acc[0][r], u0, xb);
@@ -691,10 +730,11 @@ VNNI_TARGET inline void block_int8(const uint8_t* q0, const uint8_t* q1, int64_t
 
 // Rows [0, R) against a work item's two column blocks: block_int8 for each block of 32 inputs;
 // per group, its min times the row's input sum.
-template <int R, bool kMins, bool kPrefetch, typename T>
+template <int kBits, int R, bool kMins, bool kPrefetch, typename T>
 VNNI_TARGET void tile_int8(const ActRows& xa, const float* xsums, const Weights& w, T* out, int64_t block) {
-    const uint8_t* q0 = w.q + block * w.pairs * 16;
-    const uint8_t* q1 = q0 + w.pairs * 16;
+    constexpr int64_t kStep = kBits == 8 ? 32 : 16;
+    const uint8_t* q0 = w.q + block * w.pairs * kStep;
+    const uint8_t* q1 = q0 + w.pairs * kStep;
     const float* s0 = w.scales + block * w.groups * kCols;
     const int32_t* xq = reinterpret_cast<const int32_t*>(xa.values);
     const int64_t quads = w.k / 4, blocks = w.k / kActBlock, group_blocks = blocks / w.groups;
@@ -704,8 +744,8 @@ VNNI_TARGET void tile_int8(const ActRows& xa, const float* xsums, const Weights&
         std::memcpy(sc, s0 + g * kCols, sizeof(float) * kCols);
         std::memcpy(sc + kCols, s0 + (w.groups + g) * kCols, sizeof(float) * kCols);
         for (int64_t blk = g * group_blocks; blk < (g + 1) * group_blocks; ++blk) {
-            block_int8<R, kPrefetch>(q0, q1, w.pairs, xq, quads, blk * kActBlock / 4, xa.scales + blk, blocks, sc,
-                                     tot);
+            block_int8<kBits, R, kPrefetch>(q0, q1, w.pairs, xq, quads, blk * kActBlock / 4, xa.scales + blk,
+                                            kBits == 8 ? xa.sums + blk : nullptr, blocks, sc, tot);
         }
         if constexpr (kMins) {
             for (int b = 0; b < 2; ++b) {
@@ -727,29 +767,37 @@ VNNI_TARGET void tile_int8(const ActRows& xa, const float* xsums, const Weights&
     }
 }
 
-template <int R, bool kMins, bool kPrefetch, typename T>
+template <int kBits, int R, bool kMins, bool kPrefetch, typename T>
 VNNI_TARGET void rows_int8(int64_t rows, ActRows xa, const float* xsums, const Weights& w, T* out, int64_t block) {
     const int64_t blocks = w.k / kActBlock;
     for (; rows >= R; rows -= R, xa.values += R * w.k, xa.scales += R * blocks, out += R * w.n) {
-        tile_int8<R, kMins, kPrefetch, T>(xa, xsums, w, out, block);
+        tile_int8<kBits, R, kMins, kPrefetch, T>(xa, xsums, w, out, block);
         if (kMins) xsums += R * w.groups;
+        if (kBits == 8) xa.sums += R * blocks;
     }
     if constexpr (R > 1) {
-        if (rows > 0) rows_int8<R / 2, kMins, kPrefetch, T>(rows, xa, xsums, w, out, block);
+        if (rows > 0) rows_int8<kBits, R / 2, kMins, kPrefetch, T>(rows, xa, xsums, w, out, block);
+    }
+}
+
+template <int kBits, typename T>
+VNNI_TARGET void item_int8_bits(int64_t rows, const ActRows& xa, const float* xsums, const Weights& w, T* out,
+                                int64_t block) {
+    const bool prefetch = rows <= kPrefetchRows;
+    if (w.mins != nullptr) {
+        prefetch ? rows_int8<kBits, 8, true, true, T>(rows, xa, xsums, w, out, block)
+                 : rows_int8<kBits, 8, true, false, T>(rows, xa, xsums, w, out, block);
+    } else {
+        prefetch ? rows_int8<kBits, 8, false, true, T>(rows, xa, xsums, w, out, block)
+                 : rows_int8<kBits, 8, false, false, T>(rows, xa, xsums, w, out, block);
     }
 }
 
 template <typename T>
 VNNI_TARGET void item_int8(int64_t rows, const ActRows& xa, const float* xsums, const Weights& w, T* out,
                            int64_t block) {
-    const bool prefetch = rows <= kPrefetchRows;
-    if (w.mins != nullptr) {
-        prefetch ? rows_int8<8, true, true, T>(rows, xa, xsums, w, out, block)
-                 : rows_int8<8, true, false, T>(rows, xa, xsums, w, out, block);
-    } else {
-        prefetch ? rows_int8<8, false, true, T>(rows, xa, xsums, w, out, block)
-                 : rows_int8<8, false, false, T>(rows, xa, xsums, w, out, block);
-    }
+    w.step == 32 ? item_int8_bits<8, T>(rows, xa, xsums, w, out, block)
+                 : item_int8_bits<4, T>(rows, xa, xsums, w, out, block);
 }
 #endif
 
@@ -782,7 +830,8 @@ void run_int8(const ActRows& xa, int64_t m, const Weights& w, torch::Tensor& out
         for (int64_t i = begin; i < end; ++i) {
             const int64_t row0 = i / column_items * block_rows, rows = std::min(block_rows, m - row0);
             const int64_t block = 2 * (i % column_items);
-            const ActRows xr{xa.values + row0 * w.k, xa.scales + row0 * blocks};
+            const ActRows xr{xa.values + row0 * w.k, xa.scales + row0 * blocks,
+                             xa.sums ? xa.sums + row0 * blocks : nullptr};
             const float* xs = w.xsums ? w.xsums + row0 * w.groups : nullptr;
             // The same for either output type: the item's rows, vector or portable.
             auto item = [&](auto* op) {
@@ -837,8 +886,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     TORCH_CHECK(!mins || laid_out(*mins, groups), "quant_linear: mins are laid out as the scales are");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat),
                 "quant_linear: bias is n contiguous float32 values");
-    TORCH_CHECK(!int8_activations || (four_bit && (k / groups) % kActBlock == 0),
-                "quant_linear: int8 activations are for 4-bit weights in groups of a multiple of ", kActBlock,
+    TORCH_CHECK(!int8_activations || (k / groups) % kActBlock == 0,
+                "quant_linear: int8 activations are for weights in groups of a multiple of ", kActBlock,
                 " inputs");
     auto out = torch::empty({m, n}, x.options());
     if (m == 0) return out;
@@ -849,11 +898,20 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     std::vector<float> xsums;
     std::vector<int8_t> values;
     std::vector<float> act_scales;
+    std::vector<int32_t> act_sums;
     const bool vnni = vector && vnni_path();
     if (int8_activations) {
         values.resize(m * k);
         act_scales.resize(m * (k / kActBlock));
         quantize_rows(x, m, values.data(), act_scales.data(), vnni);
+        // Each block's integer sum: what 8-bit weights' 128 offset adds (block_int8), and what
+        // the mins meet (below). A pass over m x k bytes, small beside the products.
+        act_sums.resize(m * (k / kActBlock));
+        for (int64_t b = 0; b < m * (k / kActBlock); ++b) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < kActBlock; ++i) sum += values[b * kActBlock + i];
+            act_sums[b] = sum;
+        }
     }
     // 4-bit bf16 on the exact path: the 128 offset's sums.
     const bool need_xsums = mins || (four_bit && is_bf16 && !int8_activations);
@@ -866,9 +924,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
         xsums.assign(m * groups, 0.0f);
         const int64_t blocks = k / kActBlock, group_blocks = blocks / groups;
         for (int64_t b = 0; b < m * blocks; ++b) {
-            int32_t sum = 0;
-            for (int64_t i = 0; i < kActBlock; ++i) sum += values[b * kActBlock + i];
-            xsums[b / group_blocks] += act_scales[b] * static_cast<float>(sum);
+            xsums[b / group_blocks] += act_scales[b] * static_cast<float>(act_sums[b]);
         }
     } else if (need_xsums) {
         xsums.assign(m * groups, 0.0f);
@@ -883,7 +939,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
                     bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
     if (int8_activations) {
-        run_int8(ActRows{values.data(), act_scales.data()}, m, w, out, vnni);
+        run_int8(ActRows{values.data(), act_scales.data(), four_bit ? nullptr : act_sums.data()}, m, w, out, vnni);
         return out;
     }
     const bool fast = vector && vector_path();

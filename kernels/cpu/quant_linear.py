@@ -4,9 +4,9 @@ kernels/cpu/extension.py loads it): x [rows, k] bf16 or float32 against a Packed
 AVX512-BF16 code where the CPU has it, else a portable loop; kernels/cpu/weight_only falls back
 to torch where the module does not load at all.
 
-`int8_activations` (4-bit weights in groups of a multiple of 32): each row's inputs rounded to
-int8 per block of 32 (kernels/cpu/activation_quant.py) and multiplied as integers, with
-AVX512-VNNI where the CPU has it (VNNI), else the same arithmetic in the portable loop."""
+`int8_activations` (4-bit or 8-bit weights in groups of a multiple of 32): each row's inputs
+rounded to int8 per block of 32 (kernels/cpu/activation_quant.py) and multiplied as integers,
+with AVX512-VNNI where the CPU has it (VNNI), else the same arithmetic in the portable loop."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def linear(
     int8_activations: bool = False,
 ) -> torch.Tensor:
     """x [..., k] @ de-quantized weight.T + bias (float32 [n] or None), in x's dtype;
-    `int8_activations`: x rounded to int8 per block of 32 first (4-bit weights)."""
+    `int8_activations`: x rounded to int8 per block of 32 first (weights in groups of 32s)."""
     rows = x.reshape(-1, x.shape[-1])
     out = _kernel()(rows, weight, bias, int8_activations)
     return out.view(*x.shape[:-1], out.shape[-1])

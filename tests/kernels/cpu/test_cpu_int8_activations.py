@@ -1,11 +1,12 @@
-"""4-bit linears with int8 activations (kernels/cpu/quant_linear.cpp, --quantize-activations
-int8): the kernel's rounding of the activations equals the torch reference bit for bit; its
-output equals a float64 evaluation of the same formula (int8 blocks of 32, exact integer dot
-products, the activation and weight scales, the mins times the unrounded inputs' sums) within
-float32 rounding, through the VNNI code and the portable loop, for decode and prefill row
-counts, groups of 32 and 128, with and without mins, column counts off the 32-column blocks; it
-is really the integer path (off the exact path by the activations' rounding, not zero); the torch
-fallback agrees; and what it refuses."""
+"""4-bit and 8-bit linears with int8 activations (kernels/cpu/quant_linear.cpp,
+--quantize-activations int8): the kernel's rounding of the activations equals the torch reference
+bit for bit; its output equals a float64 evaluation of the same formula (int8 blocks of 32, exact
+integer dot products, the activation and weight scales, the mins times the rounded inputs' sums)
+within float32 rounding, through the VNNI code and the portable loop, for decode and prefill row
+counts, groups of 32, 128 and the whole row, with and without mins, column counts off the
+32-column blocks; 8-bit weights at their extremes (-128 and 127, where the VNNI code's q + 128
+offset is 0 and 255) against activations at +-127; it is really the integer path (off the exact
+path by the activations' rounding, not zero); the torch fallback agrees; and what it refuses."""
 
 from __future__ import annotations
 
@@ -30,12 +31,19 @@ K = 256  # 8 activation blocks: 8 groups of 32, or 2 of 128
 N = 45  # one 32-column item and a part of the next
 
 
-def _weight(group: int, with_mins: bool, seed: int) -> tuple[QuantizedWeight, PackedWeight]:
+def _weight(
+    group: int, with_mins: bool, seed: int, bits: int = 4
+) -> tuple[QuantizedWeight, PackedWeight]:
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (N, K), generator=gen).to(torch.int8)
+    if bits == 4:
+        q = torch.randint(0, 16, (N, K), generator=gen).to(torch.int8)
+    else:  # every int8, the extremes certainly among them
+        q = torch.randint(-128, 128, (N, K), generator=gen).to(torch.int8)
+        q[0, :] = -128
+        q[1, :] = 127
     scales = torch.rand(N, K // group, generator=gen) * 0.02 + 0.001
     mins = -torch.rand(N, K // group, generator=gen) * 0.2 if with_mins else None
-    weight = QuantizedWeight(q, scales, mins, bits=4)
+    weight = QuantizedWeight(q, scales, mins, bits=bits)
     return weight, quant_layout.pack(weight)
 
 
@@ -97,11 +105,15 @@ def test_activation_rounding_equals_the_torch_reference_bit_for_bit(
 
 @needs_kernel
 @pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
-@pytest.mark.parametrize("group,with_mins", [(32, True), (32, False), (128, True), (128, False)])
-def test_output_equals_the_float64_formula(group: int, with_mins: bool, portable: bool) -> None:
+@pytest.mark.parametrize("with_mins", [True, False], ids=["mins", "no-mins"])
+@pytest.mark.parametrize("group", [32, 128, K], ids=["g32", "g128", "row"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_output_equals_the_float64_formula(
+    bits: int, group: int, with_mins: bool, portable: bool
+) -> None:
     if not portable and not quant_linear.VNNI:
         pytest.skip("this CPU lacks AVX512-VNNI/VBMI: only the portable loop runs here")
-    weight, packed = _weight(group, with_mins, seed=group + with_mins)
+    weight, packed = _weight(group, with_mins, seed=group + with_mins, bits=bits)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
     run = quant_linear.linear_portable if portable else quant_linear.linear
     for rows in ROW_COUNTS:
@@ -121,8 +133,9 @@ def test_output_equals_the_float64_formula(group: int, with_mins: bool, portable
 
 
 @needs_kernel
-def test_it_is_the_integer_path_off_the_exact_one_by_the_activation_rounding() -> None:
-    weight, packed = _weight(32, True, seed=5)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_it_is_the_integer_path_off_the_exact_one_by_the_activation_rounding(bits: int) -> None:
+    weight, packed = _weight(32, True, seed=5, bits=bits)
     x = _inputs(16, seed=6)
     exact = F.linear(x, weight.dequantize())
     got = quant_linear.linear(x, packed, None, True)
@@ -137,8 +150,9 @@ def test_it_is_the_integer_path_off_the_exact_one_by_the_activation_rounding() -
 
 
 @needs_kernel
-def test_the_torch_fallback_agrees_with_the_kernel() -> None:
-    weight, packed = _weight(128, True, seed=7)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_torch_fallback_agrees_with_the_kernel(bits: int) -> None:
+    weight, packed = _weight(128, True, seed=7, bits=bits)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(8))
     x = _inputs(8, seed=9)
     want, magnitude = _float64_reference(x, weight, bias)
@@ -150,12 +164,38 @@ def test_the_torch_fallback_agrees_with_the_kernel() -> None:
 
 
 @needs_kernel
-def test_8_bit_weights_and_groups_of_16_are_refused() -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_8_bit_extremes_against_activations_at_127(portable: bool) -> None:
+    """Every product at its largest: q = -128 or 127 (the VNNI code's unsigned 0 or 255) against
+    activations that all round to +-127, so each block's int32 sum is exactly 32 x 127 x q (or,
+    with alternating signs, 0): the 128 offset must come off exactly."""
+    if not portable and not quant_linear.VNNI:
+        pytest.skip("this CPU lacks AVX512-VNNI/VBMI: only the portable loop runs here")
+    q = torch.empty(N, K, dtype=torch.int8)
+    q[0::2], q[1::2] = -128, 127
+    scales = torch.full((N, 1), 2.0**-10)
+    weight = QuantizedWeight(q, scales, bits=8)
+    x = torch.full((3, K), 0.5)
+    x[1] = -0.5
+    x[2, 1::2] = -0.5  # alternating: each block's sum of a is 0
+    values, _ = quantize_activations(x)
+    assert values.abs().min() == 127
+    run = quant_linear.linear_portable if portable else quant_linear.linear
+    got = run(x, quant_layout.pack(weight), None, True)
+    d = 0.5 / 127.0  # the float32 scale: its exact value
+    dd = float(torch.tensor(d, dtype=torch.float32))
+    col = torch.tensor([-128.0 if c % 2 == 0 else 127.0 for c in range(N)], dtype=torch.float64)
+    want = torch.stack([col, -col, torch.zeros(N, dtype=torch.float64)]) * K * 127 * dd * 2.0**-10
+    assert torch.allclose(got.to(torch.float64), want, rtol=2.0**-20, atol=0)
+
+
+@needs_kernel
+def test_groups_of_16_are_refused() -> None:
     x = torch.randn(2, 64)
-    eight = quant_layout.pack(quant_layout.quantize(torch.randn(32, 64), 32))
-    with pytest.raises(RuntimeError, match="int8 activations are for 4-bit weights"):
-        quant_linear.linear(x, eight, None, True)
     q = torch.randint(0, 16, (32, 64)).to(torch.int8)
     sixteen = quant_layout.pack(QuantizedWeight(q, torch.rand(32, 4), None, bits=4))
     with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
         quant_linear.linear(x, sixteen, None, True)
+    eight = quant_layout.pack(quant_layout.quantize(torch.randn(32, 64), 16))
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
+        quant_linear.linear(x, eight, None, True)
