@@ -106,12 +106,12 @@ class ModelConfig(_Strict):
     )
     quantize_activations: Literal["int8", "none"] | None = Field(
         None,
-        description="int8: 4-bit quantized weights (gguf Q4_0/Q4_1/Q4_K, compressed-tensors, gptq, "
-        "awq int4) multiplied with their activations rounded to int8 per block of 32 (integer "
-        "products, AVX512-VNNI on the CPU: faster, not the exact numbers); 8-bit weights stay "
-        "exact; none: activations as they are, also for a checkpoint that declares dynamic int8 "
-        "ones (W8A8, W4A8); default: int8 where such a checkpoint declares them and they run, "
-        "else activations as they are",
+        description="int8: integer quantized weights (--quantization int8, gguf, compressed-tensors, "
+        "gptq, awq; 4-bit or 8-bit, in groups of a multiple of 32 inputs or whole rows) multiplied "
+        "with their activations rounded to int8 per block of 32 (integer products, AVX512-VNNI on "
+        "the CPU: faster, not the exact numbers); none: activations as they are, also for a "
+        "checkpoint that declares dynamic int8 ones (W8A8, W4A8); default: int8 where such a "
+        "checkpoint declares them and they run here, else activations as they are",
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",

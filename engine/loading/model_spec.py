@@ -52,7 +52,7 @@ class ModelSpec:
     gguf_file: Path | None = None  # the weights, read from their blocks (--quantization gguf)
     # A checkpoint's own quantized format (compressed-tensors, GPTQ, AWQ), from its config.json.
     linear_format: LinearFormat | None = None
-    # --quantize-activations: int8 activations for the 4-bit linears (engine/worker/cpu/).
+    # --quantize-activations: int8 activations for the quantized linears (engine/worker/cpu/).
     quantize_activations: str | None = None
 
     @property
@@ -338,16 +338,17 @@ def resolve_activations(
 
 
 def activation_quantization_unfit(quantization: str | None, platform: Platform) -> str | None:
-    """Why int8 activations cannot run here, or None. They are for 4-bit weights read from a
-    quantized format (gguf, compressed-tensors, gptq, awq), on the CPU, where it has the integer
-    dot products (AVX512-VNNI) and byte permutes (AVX512-VBMI) of kernels/cpu/quant_linear.
+    """Why int8 activations cannot run here, or None. They are for integer weights, 4-bit or
+    8-bit (--quantization int8, gguf, compressed-tensors, gptq, awq), on the CPU, where it has the
+    integer dot products (AVX512-VNNI) and byte permutes (AVX512-VBMI) of kernels/cpu/quant_linear.
     (--batch-invariant is refused by the config itself.)"""
     if quantization is None:
-        return "it needs quantized weights (--quantization gguf, a .gguf model or a quantized checkpoint)"
-    if quantization in ("int8", "fp8"):
         return (
-            f"its kernel is for 4-bit weights, and --quantization {quantization} weights are 8-bit"
+            "it needs quantized weights (--quantization int8 or gguf, a .gguf model or a quantized "
+            "checkpoint)"
         )
+    if quantization == "fp8":
+        return "its kernel is for integer weights, not --quantization fp8's float8 ones"
     if platform.capability is not None:
         return "it runs on the CPU, not a GPU"
     try:

@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # the tied head, prepacked
         self.lm_head_packed_own = False  # in kernels/cpu/bf16_linear's layout (else oneDNN's)
         self.lm_head_quantized: PackedWeight | None = None  # the tied head, quantized
-        self.lm_head_int8_activations = False  # it takes int8 activations (4-bit, see linear.py)
+        self.lm_head_int8_activations = False  # it takes int8 activations (see linear.py)
         self.fused_ops: ModuleType | None = None  # the layers' norms, rotary and SiLU-mul
         self.layers_runner: LayersRunner | None = None  # run instead of the loop over the layers
         # The LoRA adapters' row selection (engine/lora): a step with adapter rows runs the

@@ -213,7 +213,7 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
     if spec.quantize_activations == "int8":  # before the layer loop, which reads the marks
         marked, total = use_int8_activations(model)
         if shard.rank == 0:
-            log.info("%d of %d quantized linears take int8 activations (4-bit)", marked, total)
+            log.info("%d of %d quantized linears take int8 activations", marked, total)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
     if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
         prepare_model(

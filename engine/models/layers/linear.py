@@ -57,7 +57,7 @@ class PackableLinear(nn.Module):
     quantized_bias: torch.Tensor | None = None
     # The weight in a GPU quantized form (FP8, or packed for the Triton kernel); `weight` is None.
     gpu_quantized: GpuWeight | None = None
-    # `quantized` (4-bit) multiplied with int8 activations (--quantize-activations int8).
+    # `quantized` multiplied with int8 activations (--quantize-activations int8).
     int8_activations: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:

@@ -1,7 +1,7 @@
-"""--quantize-activations int8: the 4-bit quantized linears of a loaded model (the tied head
-too) marked to take their activations rounded to int8 (kernels/cpu/quant_linear's integer
-path). 8-bit weights keep the exact path: `vpdpbusd` multiplies an unsigned byte by a signed one,
-and a signed 8-bit weight times a signed activation is neither."""
+"""--quantize-activations int8: the quantized linears of a loaded model (the tied head too) marked
+to take their activations rounded to int8 (kernels/cpu/quant_linear's integer path): 4-bit and
+8-bit weights alike (an 8-bit one as q + 128 against the activations, the offset taken back off
+exactly), wherever a weight group is whole blocks of 32 inputs."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from kernels.cpu.quant_layout import PackedWeight
 
 
 def takes_int8_activations(weight: PackedWeight) -> bool:
-    """4-bit, in groups of whole activation blocks (each block then has one weight scale)."""
+    """In groups of whole activation blocks (each block then has one weight scale): groups of 32
+    or a multiple, or the whole row where its length is one."""
     groups = weight.scales.shape[1]
-    return weight.bits == 4 and (weight.k // groups) % BLOCK == 0
+    return (weight.k // groups) % BLOCK == 0
 
 
 def use_int8_activations(model: CausalLM) -> tuple[int, int]:
@@ -37,6 +38,6 @@ def use_int8_activations(model: CausalLM) -> tuple[int, int]:
     if marked == 0:
         raise ConfigError(
             f"--quantize-activations int8: none of the model's {total} quantized linear weights "
-            f"is 4-bit in groups of a multiple of {BLOCK} (8-bit weights keep their exact path)"
+            f"has groups of a multiple of {BLOCK} inputs (nor rows of a multiple of {BLOCK})"
         )
     return marked, total
