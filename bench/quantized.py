@@ -2,8 +2,8 @@
 the default model as bf16, as int8 (--quantization int8) and from its own GGUF file's Q4_1
 blocks (--quantization gguf); the 124.7M random Llama (bench/random_llama.py) as bf16 and int8,
 and, with --gguf, GGUF files of its shape in other block types (bench/random_gguf.py: random
-blocks, K-quants among them). Every GGUF format also as FORMAT+a8: its 4-bit linears with int8
-activations (--quantize-activations int8), unless --no-a8.
+blocks, K-quants among them). int8 and every GGUF format also as FORMAT+a8: its linears with
+int8 activations (--quantize-activations int8; int8+a8 is W8A8), unless --no-a8.
 Every engine is loaded, their runs alternated round by round so that a loaded machine slows them
 alike; and each one's resident memory, from a fresh process per format.
 
@@ -48,7 +48,7 @@ Format = tuple[str | None, str | None, str | None]
 
 def formats(name: str, files: dict[str, str], a8: bool) -> dict[str, Format]:
     """Each format's settings: the random Llama has no GGUF file of its own weights, but --gguf
-    files of its shape. With `a8`, each GGUF one again with int8 activations."""
+    files of its shape. With `a8`, int8 and each GGUF one again with int8 activations."""
     if name == "default":
         table: dict[str, Format] = {f: (None, q, None) for f, q in FORMATS.items()}
         gguf: dict[str, tuple[str | None, str | None]] = {"gguf": (None, "gguf")}
@@ -58,7 +58,8 @@ def formats(name: str, files: dict[str, str], a8: bool) -> dict[str, Format]:
         gguf = {f: (path, None) for f, path in files.items()}
     table |= {f: (m, q, None) for f, (m, q) in gguf.items()}
     if a8:
-        table |= {f"{f}+a8": (m, q, "int8") for f, (m, q) in gguf.items()}
+        int8 = {"int8": (table["int8"][0], "int8")}
+        table |= {f"{f}+a8": (m, q, "int8") for f, (m, q) in (int8 | gguf).items()}
     return table
 
 
@@ -167,7 +168,7 @@ def main() -> None:
         for fmt, settings in list(table.items()):
             try:
                 llms[fmt] = engine(settings, max(batches), max_len)
-            except ConfigError as exc:  # +a8 where it cannot run: no VNNI, no 4-bit linears
+            except ConfigError as exc:  # +a8 where it cannot run: no VNNI, no linear in 32s
                 if settings[2] is None:
                     raise
                 print(f"{name} {fmt}: skipped ({exc})", file=sys.stderr)

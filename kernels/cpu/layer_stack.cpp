@@ -71,7 +71,7 @@ struct Linear {
     // (with `mins` where its format has them, `bias` float32), as kernels/cpu/quant_layout.py
     // lays them out.
     OptTensor weight, packed, scales, mins, bias;
-    bool int8_activations;  // a 4-bit weight multiplied with int8 activations (--quantize-activations)
+    bool int8_activations;  // the quantized weight multiplied with int8 activations (--quantize-activations)
 
     // `own_layout`: packed for bf16_linear, else for oneDNN.
     at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool own_layout) const {

@@ -51,12 +51,15 @@
 // activations 2.07-2.23 / 1.51-1.69 / 1.18-1.23 / 1.18-1.19 / 1.07-1.12 / 1.01-1.09 / 1.05-1.06;
 // Q4_0 exact 1.82-1.99 / 1.42-1.62 / 0.98-1.10 / 0.92-0.96 / 0.85-0.90 / 0.80 / 0.85-0.86, with
 // int8 activations 2.06-2.29 / 1.58-1.80 / 1.23-1.26 / 1.21 / 1.14-1.15 / 1.04-1.11 / 1.05-1.08.
-// 8-bit weights, the same runs' conditions (bench/quant_kernel.py --passes 5, one thread, Zen 4,
-// 2026-11-26, load average 1.8-2.4 with other work on the machine): bf16's median over the
-// format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows, int8 per row exact 1.66 / 1.41 / 1.09 / 1.02 /
-// 1.01 / 0.91 / 0.99, with int8 activations 1.57 / 2.14 / 1.55 / 1.65 / 1.52 / 1.45 / 1.41; Q8_0
-// exact 1.50 / 1.43 / 0.99 / 0.93 / 0.97 / 0.91 / 0.99, with int8 activations 1.61 / 1.69 / 1.26 /
-// 1.41 / 1.46 / 1.35 / 1.37.
+// 8-bit weights (bench/quant_kernel.py --passes 5, one thread, the same Zen 4, 2026-11-26, two
+// runs at load average 1.8-2.1 and 1.0-1.3): bf16's median over the format's at 1 / 4 / 8 / 16 /
+// 32 / 64 / 128 rows, int8 per row exact 1.44-1.68 / 1.24-1.45 / 1.07-1.09 / 0.99-1.04 /
+// 0.98-0.99 / 0.95-0.97 / 0.97-0.98, with int8 activations 1.53-1.69 / 1.96-2.14 / 1.52-1.82 /
+// 1.50-1.71 / 1.51-1.61 / 1.51-1.56 / 1.40-1.45; Q8_0 exact 1.38-1.43 / 1.20-1.33 / 0.98-1.04 /
+// 0.97-1.03 / 0.95-0.98 / 0.93-0.96 / 0.97, with int8 activations 1.50-1.68 / 1.62-1.86 /
+// 1.34-1.68 / 1.38-1.61 / 1.44-1.55 / 1.43-1.49 / 1.39-1.40. Faster than 4-bit with int8
+// activations from 4 rows on (no nibbles to unpack); at one row, weights read from memory rather
+// than cache, about even with the exact path (bench/README.md).
 // Past 8 rows a tile's time is about half `vpdpbusd` (1 a cycle here, as `vdpbf16ps`) and half
 // the rest: unpacking the quads, each block's scaling of its 16 sums into the totals, the
 // totals' loads and stores. Tried and dropped: `vpdpbusd` with its activation broadcast from
