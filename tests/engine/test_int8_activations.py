@@ -1,7 +1,9 @@
 """--quantize-activations int8 on the default model in bfloat16, from its Q4_1 file (4-bit
 linears, a Q8_0 head) and as --quantization int8 (W8A8): every linear and the head take int8
 activations, and the greedy tokens and logprobs stay within stated bounds of the same weights'
-exact path on fixed prompts. A small random Llama with --quantization int8 marks all its linears.
+exact path on fixed prompts. A small random Llama marks all its linears, quantized at load
+(--quantization int8) or stored (a compressed-tensors W8A16 checkpoint), and only those in whole
+blocks of 32 where some are not.
 Then what the flag refuses, each naming it: no quantized weights, a model with no linear in groups
 of 32s, --batch-invariant, a GPU."""
 
@@ -23,6 +25,7 @@ from engine.models.layers.linear import PackableLinear
 from kernels.attention import Platform
 from kernels.cpu.extension import KernelUnavailable
 from tests.support.models import build_random_model
+from tests.support.quantized_checkpoints import compress
 
 try:
     from kernels.cpu import quant_linear
@@ -139,6 +142,24 @@ def test_int8_weights_take_int8_activations_in_every_linear(llama_dir: Path) -> 
 def test_without_quantized_weights_it_is_refused(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"--quantize-activations int8: it needs quantized"):
         LLM(str(llama_dir), quantize_activations="int8")
+
+
+@needs_vnni
+def test_a_w8a16_checkpoint_takes_int8_activations(llama_dir: Path, tmp_path: Path) -> None:
+    """compressed-tensors int8 per output row, served as stored: 8-bit linears, all marked (its
+    head is left dense by the scheme's ignore list)."""
+    folder = compress(llama_dir, tmp_path / "w8a16", "W8A16", "int-quantized")
+    with LLM(str(folder), quantize_activations="int8", num_kv_blocks=16, max_model_len=64) as llm:
+        model = llm.engine.executor.runner.model
+        assert isinstance(model, DecoderModel)
+        quantized = [
+            m for m in model.modules() if isinstance(m, PackableLinear) and m.quantized is not None
+        ]
+        assert len(quantized) == 2 * 4
+        assert all(m.quantized.bits == 8 and m.int8_activations for m in quantized)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        (out,) = llm.generate([[1, 2, 3, 4]], params)
+        assert len(out.outputs[0].token_ids) == 4
 
 
 def _narrow_llama(folder: Path, head_dim: int) -> Path:
