@@ -211,7 +211,8 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         if shard.rank == 0:
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)
     if spec.quantize_activations == "int8":  # before the layer loop, which reads the marks
-        marked, total = use_int8_activations(model)
+        named = config.model.quantize_activations == "int8"  # else the checkpoint declares them
+        marked, total = use_int8_activations(model, named)
         if shard.rank == 0:
             log.info("%d of %d quantized linears take int8 activations", marked, total)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.

@@ -20,10 +20,13 @@ def takes_int8_activations(weight: PackedWeight) -> bool:
     return (weight.k // groups) % BLOCK == 0
 
 
-def use_int8_activations(model: CausalLM) -> tuple[int, int]:
+def use_int8_activations(model: CausalLM, named: bool = True) -> tuple[int, int]:
     """Mark every linear that can take int8 activations; (marked, quantized linears in all).
-    A model with none to mark is refused: the flag would change nothing."""
+    Where the flag names them (`named`) a model with none to mark is refused: the flag would
+    change nothing. A checkpoint that only declares int8 activations then keeps 16-bit ones."""
     if not isinstance(model, DecoderModel):
+        if not named:
+            return 0, 0
         raise ConfigError("--quantize-activations int8 is for decoder models")
     marked = total = 0
     for module in model.modules():
@@ -35,7 +38,7 @@ def use_int8_activations(model: CausalLM) -> tuple[int, int]:
         total += 1
         model.lm_head_int8_activations = takes_int8_activations(model.lm_head_quantized)
         marked += model.lm_head_int8_activations
-    if marked == 0:
+    if marked == 0 and named:
         raise ConfigError(
             f"--quantize-activations int8: none of the model's {total} quantized linear weights "
             f"has groups of a multiple of {BLOCK} inputs (nor rows of a multiple of {BLOCK})"

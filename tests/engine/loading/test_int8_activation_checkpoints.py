@@ -31,7 +31,10 @@ PROMPTS = [[1, 5, 77, 300, 12], [9, 400, 31, 2, 250, 8, 64, 3, 3, 90]]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
 ENGINE = {"dtype": "float32", "num_kv_blocks": 32, "max_model_len": 128}
 # name -> (the preset declaring int8 activations, its weight-only twin, format, group size)
-PAIRS = {"w4a8": ("W4A8", "W4A16", "pack-quantized", 32)}
+PAIRS = {
+    "w4a8": ("W4A8", "W4A16", "pack-quantized", 32),
+    "w8a8": ("W8A8", "W8A16", "int-quantized", None),  # one scale per output row
+}
 Trace = list[list[tuple[int, float]]]
 
 
@@ -89,3 +92,33 @@ def test_where_integer_products_cannot_run_the_activations_stay_16_bit(
     config = EngineConfig.from_kwargs(model=str(declared), quantize_activations="int8", **ENGINE)
     with pytest.raises(ConfigError, match="--quantize-activations int8: no VNNI here"):
         model_spec.resolve_model_spec(config)
+
+
+def test_a_declared_checkpoint_whose_linears_cannot_take_int8_stays_16_bit(
+    tmp_path, caplog
+) -> None:
+    """Rows of 48 and 80 inputs (no whole blocks of 32): the flag would be refused; the
+    checkpoint's own declaration is not, and its activations stay as they are."""
+    src = build_random_model(
+        tmp_path / "src",
+        "llama",
+        "llama",
+        hidden_size=48,
+        intermediate_size=80,
+        head_dim=12,
+        vocab_size=512,
+    )
+    folder = compress(src, tmp_path / "w8a8", "W8A8", "int-quantized")
+    with (
+        caplog.at_level(logging.INFO, logger="engine.worker.model_runner"),
+        LLM(str(folder), **ENGINE) as llm,
+    ):
+        model = llm.engine.executor.runner.model
+        assert isinstance(model, DecoderModel)
+        linears = [m for m in model.modules() if isinstance(m, PackableLinear) and m.quantized]
+        assert len(linears) == 2 * 4 and not any(m.int8_activations for m in linears)
+        (out,) = llm.generate(PROMPTS[:1], PARAMS)
+        assert len(out.outputs[0].token_ids) == PARAMS.max_tokens
+    assert "0 of 8 quantized linears take int8 activations" in caplog.text
+    with pytest.raises(ConfigError, match="--quantize-activations int8: none of the model's 8"):
+        LLM(str(folder), quantize_activations="int8", **ENGINE)
