@@ -91,6 +91,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -804,21 +805,53 @@ VNNI_TARGET void item_int8(int64_t rows, const ActRows& xa, const float* xsums, 
 }
 #endif
 
-// Rows [0, m) of x quantized (quantize_row's numbers; the vector code where `vnni`).
-void quantize_rows(const torch::Tensor& x, int64_t m, int8_t* values, float* scales, bool vnni) {
+// Row r of x quantized (quantize_row's numbers; the vector code where `vnni`).
+void quantize_one_row(const torch::Tensor& x, int64_t r, int8_t* values, float* scales, bool vnni) {
     const int64_t k = x.size(1), blocks = k / kActBlock;
     const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-    for (int64_t r = 0; r < m; ++r) {
 #if defined(PAGEDSERVE_X86)
-        if (vnni) {
-            is_bf16 ? quantize_row_vector(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
-                    : quantize_row_vector(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
-            continue;
-        }
-#endif
-        is_bf16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
-                : quantize_row(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
+    if (vnni) {
+        is_bf16 ? quantize_row_vector(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
+                : quantize_row_vector(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
+        return;
     }
+#endif
+    is_bf16 ? quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, values + r * k, scales + r * blocks)
+            : quantize_row(x.data_ptr<float>() + r * k, k, values + r * k, scales + r * blocks);
+}
+
+// Rows of a batch for the int8 path: how many one thread rounds before the rest are shared out
+// (a decode step's few rows stay on the calling thread, where a fork costs more than they do).
+constexpr int64_t kQuantizeGrain = 16;
+
+// The activations of rows [0, m) rounded (values [m][k], scales [m][blocks]), each block's
+// integer sum (sums [m][blocks]: what 8-bit weights' 128 offset adds, block_int8, and what the
+// mins meet), and where `group_sums` is given each group's sum of the rounded inputs ([m][groups],
+// d x the block's integer sum over its blocks; see run). Rows are independent, so a long
+// prefill's rows spread over the threads. On the 2-core Zen 4, two threads, the default
+// model's 120 linears at 2,048 rows (bench/quant_kernel.py --threads 2): int8 weights 820 -> 742
+// ms, Q4_1 912 -> 852 (bf16: 1,031 and 1,014), against rounding on the calling thread alone.
+void quantize_rows(const torch::Tensor& x, int64_t m, int64_t groups, int8_t* values, float* scales,
+                   int32_t* sums, float* group_sums, bool vnni) {
+    const int64_t k = x.size(1), blocks = k / kActBlock, group_blocks = blocks / groups;
+    at::parallel_for(0, m, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            quantize_one_row(x, r, values, scales, vnni);
+            for (int64_t b = r * blocks; b < (r + 1) * blocks; ++b) {
+                int32_t sum = 0;
+                for (int64_t i = 0; i < kActBlock; ++i) sum += values[b * kActBlock + i];
+                sums[b] = sum;
+            }
+            if (group_sums == nullptr) continue;
+            for (int64_t g = r * groups; g < (r + 1) * groups; ++g) {
+                float total = 0.0f;
+                for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
+                    total += scales[b] * static_cast<float>(sums[b]);
+                }
+                group_sums[g] = total;
+            }
+        }
+    });
 }
 
 // The int8-activation path's work items: a tile's rows at any count (its integer products are
@@ -899,36 +932,26 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     // decode step's few rows, torch ops here cost more than the sums (three ops a linear took
     // the default model's 120 linears at 1 row from ~8 to ~14 ms).
     std::vector<float> xsums;
-    std::vector<int8_t> values;
+    // 4-bit bf16 on the exact path: the 128 offset's sums.
+    const bool need_xsums = mins || (four_bit && is_bf16 && !int8_activations);
+    // The int8 path's rounded rows, uninitialized (every byte is written; zeroing m x k bytes a
+    // linear cost a serial pass of its own).
+    std::unique_ptr<int8_t[]> values;
     std::vector<float> act_scales;
     std::vector<int32_t> act_sums;
     const bool vnni = vector && vnni_path();
     if (int8_activations) {
-        values.resize(m * k);
+        values.reset(new int8_t[m * k]);
         act_scales.resize(m * (k / kActBlock));
-        quantize_rows(x, m, values.data(), act_scales.data(), vnni);
-        // Each block's integer sum: what 8-bit weights' 128 offset adds (block_int8), and what
-        // the mins meet (below). A pass over m x k bytes, small beside the products.
         act_sums.resize(m * (k / kActBlock));
-        for (int64_t b = 0; b < m * (k / kActBlock); ++b) {
-            int32_t sum = 0;
-            for (int64_t i = 0; i < kActBlock; ++i) sum += values[b * kActBlock + i];
-            act_sums[b] = sum;
-        }
-    }
-    // 4-bit bf16 on the exact path: the 128 offset's sums.
-    const bool need_xsums = mins || (four_bit && is_bf16 && !int8_activations);
-    if (need_xsums && int8_activations) {
         // The min multiplies the group's sum of the *rounded* inputs (over its blocks, d x the
         // block's integer sum), so that a weight's whole value, q x scale + min, meets the same
         // rounded input: the output's error is then the de-quantized weights times the rounding,
         // as in llama.cpp's Q4_0 x Q8_0. With the unrounded sums it was q x scale's, several
         // times larger where the min is near -8 x scale (Q4_0, symmetric int4).
-        xsums.assign(m * groups, 0.0f);
-        const int64_t blocks = k / kActBlock, group_blocks = blocks / groups;
-        for (int64_t b = 0; b < m * blocks; ++b) {
-            xsums[b / group_blocks] += act_scales[b] * static_cast<float>(act_sums[b]);
-        }
+        if (need_xsums) xsums.resize(m * groups);
+        quantize_rows(x, m, groups, values.get(), act_scales.data(), act_sums.data(),
+                      need_xsums ? xsums.data() : nullptr, vnni);
     } else if (need_xsums) {
         xsums.assign(m * groups, 0.0f);
         const int64_t group = k / groups;
@@ -942,7 +965,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
                     bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
                     n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
     if (int8_activations) {
-        run_int8(ActRows{values.data(), act_scales.data(), four_bit ? nullptr : act_sums.data()}, m, w, out, vnni);
+        run_int8(ActRows{values.get(), act_scales.data(), four_bit ? nullptr : act_sums.data()}, m, w, out, vnni);
         return out;
     }
     const bool fast = vector && vector_path();
@@ -1022,7 +1045,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tenso
     const int64_t m = x.size(0), k = x.size(1);
     auto values = torch::empty({m, k}, x.options().dtype(at::kChar));
     auto scales = torch::empty({m, k / kActBlock}, x.options().dtype(at::kFloat));
-    quantize_rows(x, m, values.data_ptr<int8_t>(), scales.data_ptr<float>(), vector && vnni_path());
+    std::vector<int32_t> sums(m * (k / kActBlock));
+    quantize_rows(x, m, 1, values.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data(), nullptr,
+                  vector && vnni_path());
     return {values, scales};
 }
 
