@@ -122,13 +122,7 @@ def test_greedy_tokens_and_logprobs_stay_near_the_exact_path(
 
 @needs_vnni
 def test_int8_weights_take_int8_activations_in_every_linear(llama_dir: Path) -> None:
-    with LLM(
-        str(llama_dir),
-        quantization="int8",
-        quantize_activations="int8",
-        num_kv_blocks=16,
-        max_model_len=64,
-    ) as llm:
+    with _int8_engine(llama_dir) as llm:
         model = llm.engine.executor.runner.model
         assert isinstance(model, DecoderModel)
         linears = [m for m in model.modules() if isinstance(m, PackableLinear)]

@@ -212,17 +212,25 @@ def greedy_of(
     model.eval()
     results = []
     for ids in prompts:
-        out = model.generate(  # type: ignore[operator]
-            input_ids=torch.tensor([ids], device=device),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        ones = torch.ones(1, len(ids), dtype=torch.long, device=device)
+        out = _generate_greedy(model, torch.tensor([ids], device=device), ones, max_new_tokens)
         results.append(out[0, len(ids) :].tolist())
     return results
+
+
+def _generate_greedy(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
+    """`generate`'s greedy tokens after `ids`, exactly `max_new_tokens` of them (EOS ignored)."""
+    return model.generate(  # type: ignore[operator]
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def hf_greedy_batched(
@@ -242,16 +250,7 @@ def hf_greedy_batched(
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    out = model.generate(  # type: ignore[operator]
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[:, width:].tolist()
+    return _generate_greedy(model, ids, mask, max_new_tokens)[:, width:].tolist()
 
 
 @cache
