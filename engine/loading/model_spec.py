@@ -52,7 +52,8 @@ class ModelSpec:
     gguf_file: Path | None = None  # the weights, read from their blocks (--quantization gguf)
     # A checkpoint's own quantized format (compressed-tensors, GPTQ, AWQ), from its config.json.
     linear_format: LinearFormat | None = None
-    # --quantize-activations: int8 activations for the quantized linears (engine/worker/cpu/).
+    # int8: activations rounded to int8 for the quantized linears (engine/worker/cpu/), as
+    # --quantize-activations int8 or a W8A8/W4A8 checkpoint's declaration says (resolve_activations).
     quantize_activations: str | None = None
 
     @property
