@@ -326,8 +326,20 @@ def resolve_activations(
     if named == "none" or (named is None and not declared):
         if declared:
             log.info("activations: 16-bit (--quantize-activations none), not the checkpoint's int8")
+        elif (
+            named is None
+            and isinstance(linear_format, CompressedTensorsFormat)
+            and any(s.int8_activations for s in linear_format.schemes)
+        ):
+            log.info(
+                "activations: 16-bit: only some of the checkpoint's schemes declare dynamic "
+                "int8 ones (--quantize-activations int8 would round them for every linear)"
+            )
         return None
     why_not = activation_quantization_unfit(quantization, platform)
+    fp8 = isinstance(linear_format, CompressedTensorsFormat) and linear_format.float_weights
+    if why_not is None and fp8:  # de-quantized at load or run as FP8: no integer linear at all
+        why_not = "its kernel is for integer weights, and this checkpoint's are FP8"
     if why_not is not None:
         if named == "int8":
             raise ConfigError(f"--quantize-activations int8: {why_not}")
@@ -342,7 +354,8 @@ def activation_quantization_unfit(quantization: str | None, platform: Platform) 
     """Why int8 activations cannot run here, or None. They are for integer weights, 4-bit or
     8-bit (--quantization int8, gguf, compressed-tensors, gptq, awq), on the CPU, where it has the
     integer dot products (AVX512-VNNI) and byte permutes (AVX512-VBMI) of kernels/cpu/quant_linear.
-    (--batch-invariant is refused by the config itself.)"""
+    (The config refuses the flag with --batch-invariant, and quantization_unfit quantized weights
+    with it.)"""
     if quantization is None:
         return (
             "it needs quantized weights (--quantization int8 or gguf, a .gguf model or a quantized "

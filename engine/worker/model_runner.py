@@ -214,7 +214,12 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         named = config.model.quantize_activations == "int8"  # else the checkpoint declares them
         marked, total = use_int8_activations(model, named)
         if shard.rank == 0:
-            log.info("%d of %d quantized linears take int8 activations", marked, total)
+            rest = (
+                " (the rest: groups or rows not whole blocks of 32 inputs)"
+                if marked < total
+                else ""
+            )
+            log.info("%d of %d quantized linears take int8 activations%s", marked, total, rest)
     # The CPU preparations (packed weights, fused ops, the C++ layer loop) are a decoder's.
     if device == "cpu" and not config.model.enforce_eager and not spec.info.encoder:
         prepare_model(

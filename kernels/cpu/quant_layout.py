@@ -5,7 +5,8 @@ everywhere.
 
 A weight [n, k] is `q` [n, k] (int8 storage of its integers), `scales` float32 [n, k / group]
 and, for some formats, `mins` of that shape; its value is q * scale (+ min), in float32. 8-bit:
-q in -127..127 (our per-channel int8, GGUF's Q8_0 with groups of 32). 4-bit: q in 0..15, groups
+q in -128..127 (our per-channel int8 uses -127..127; GGUF's Q8_0 with groups of 32, GPTQ and
+compressed-tensors int8 may hold -128). 4-bit: q in 0..15, groups
 of 32 (GGUF's Q4_1 with its min, Q4_0 with min = -8 * scale)."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@
 // 1.50-1.71 / 1.51-1.61 / 1.51-1.56 / 1.40-1.45; Q8_0 exact 1.38-1.43 / 1.20-1.33 / 0.98-1.04 /
 // 0.97-1.03 / 0.95-0.98 / 0.93-0.96 / 0.97, with int8 activations 1.50-1.68 / 1.62-1.86 /
 // 1.34-1.68 / 1.38-1.61 / 1.44-1.55 / 1.43-1.49 / 1.39-1.40. Faster than 4-bit with int8
-// activations from 4 rows on (no nibbles to unpack); at one row, weights read from memory rather
+// activations from 4 rows on per row, from 8 rows as Q8_0 (no nibbles to unpack); at one row, weights read from memory rather
 // than cache, about even with the exact path (bench/README.md).
 // Past 8 rows a tile's time is about half `vpdpbusd` (1 a cycle here, as `vdpbf16ps`) and half
 // the rest: unpacking the quads, each block's scaling of its 16 sums into the totals, the

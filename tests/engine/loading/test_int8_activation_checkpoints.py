@@ -95,10 +95,12 @@ def test_where_integer_products_cannot_run_the_activations_stay_16_bit(
 
 
 def test_a_declared_checkpoint_whose_linears_cannot_take_int8_stays_16_bit(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ) -> None:
     """Rows of 48 and 80 inputs (no whole blocks of 32): the flag would be refused; the
-    checkpoint's own declaration is not, and its activations stay as they are."""
+    checkpoint's own declaration is not, and its activations stay as they are. (The CPU's
+    integer path is taken as present: no linear reaches it.)"""
+    monkeypatch.setattr(model_spec, "activation_quantization_unfit", lambda q, p: None)
     src = build_random_model(
         tmp_path / "src",
         "llama",
@@ -119,6 +121,14 @@ def test_a_declared_checkpoint_whose_linears_cannot_take_int8_stays_16_bit(
         assert len(linears) == 2 * 4 and not any(m.int8_activations for m in linears)
         (out,) = llm.generate(PROMPTS[:1], PARAMS)
         assert len(out.outputs[0].token_ids) == PARAMS.max_tokens
-    assert "0 of 8 quantized linears take int8 activations" in caplog.text
+    assert "0 of 8 quantized linears take int8 activations (the rest: groups" in caplog.text
     with pytest.raises(ConfigError, match="--quantize-activations int8: none of the model's 8"):
         LLM(str(folder), quantize_activations="int8", **ENGINE)
+
+
+def test_the_flag_on_an_fp8_checkpoint_is_refused_before_loading(folders, tmp_path) -> None:
+    src = folders["w4a8"][0].parent / "src"
+    folder = compress(src, tmp_path / "fp8", "FP8_DYNAMIC", "float-quantized")
+    config = EngineConfig.from_kwargs(model=str(folder), quantize_activations="int8", **ENGINE)
+    with pytest.raises(ConfigError, match=r"--quantize-activations int8: .*checkpoint's are FP8"):
+        model_spec.resolve_model_spec(config)
