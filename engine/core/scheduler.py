@@ -12,7 +12,8 @@ Under the priority policy "arrival order" becomes "(priority, arrival) order" ev
 queue is kept sorted by it, the running sequences are served in it, and the preempted one is
 the last in it (the lowest priority, the latest of those). And a waiting sequence more urgent
 than running ones takes their place when it could not start otherwise: they are preempted
-before the step, and it is admitted in the same step.
+before the step, and it is admitted in the same step (with any others more urgent than every
+victim, never one only as urgent: it would take a victim's place back).
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ class Scheduler:
                 i += 1
 
         if len(out.preempted) == made_room:  # no running sequence was short of blocks
-            self._admit(budget, out)
+            # Room made for the urgent goes to sequences more urgent than every victim: one
+            # only as urgent as a victim would take the victim's place back, recomputing.
+            self._admit(budget, out, min((rank(v) for v in out.preempted), default=None))
         if not out.scheduled and self.running and self.waiting:
             self._unblock_beams(budget, out)
         for s in out.scheduled:
@@ -111,7 +114,11 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(
+        self, budget: int, out: SchedulerOutput, below: tuple[int, float] | None = None
+    ) -> None:
+        """Start waiting sequences from the head of the queue while they fit; with `below`, only
+        those whose rank is under it."""
         # A sequence preempted in this step starts again in a later one at the earliest: back in
         # now, it would redo its prompt from nothing with the room its preemption made for others.
         preempted_now = {id(s) for s in out.preempted}
@@ -119,6 +126,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and id(self.waiting[0]) not in preempted_now
+            and (below is None or rank(self.waiting[0]) < below)
             and self._num_seqs_after_admitting(self.waiting[0]) <= self.max_num_seqs
             and self._adapter_fits(self.waiting[0])
         ):

@@ -455,6 +455,32 @@ def test_a_request_preempted_for_an_urgent_one_does_not_restart_in_the_same_step
     assert low.num_output_tokens == 2
 
 
+def test_room_made_for_an_urgent_request_is_not_taken_by_an_equal_of_its_victim() -> None:
+    """A forked pair holds the pool; an urgent arrival first preempts one sibling (not room
+    enough: the siblings share their prompt block), then the other. The first sibling, waiting
+    behind the arrival and as urgent as the one just preempted, must not start in the room made
+    for the arrival (it would take the place of its equal and redo its work)."""
+    sim = Sim(
+        num_blocks=5,
+        block_size=1,
+        max_num_seqs=2,
+        max_num_batched_tokens=4,
+        caching=False,
+        policy="priority",
+    )
+    first = sim.add("pair", [0], max_tokens=4, n=2)
+    sim.step()
+    sim.step()
+    sim.add("urgent", [0, 0, 0], max_tokens=1, priority=-1)
+    out = sim.step()
+    assert [s.seq_id for s in out.preempted] == ["pair#1"] and scheduled(out) == [("pair", 1)]
+    out = sim.step()
+    assert out.preempted == [first]
+    assert scheduled(out) == [("urgent", 3)]  # and not pair#1 with the budget's last token
+    sim.run_to_completion()
+    assert sorted(s.seq_id for s in sim.finished) == ["pair", "pair#1", "urgent"]
+
+
 def test_no_room_is_made_when_the_arrival_could_not_start_anyway() -> None:
     sim = Sim(
         num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority"
