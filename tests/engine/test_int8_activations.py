@@ -24,7 +24,7 @@ from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear
 from kernels.attention import Platform
 from kernels.cpu.extension import KernelUnavailable
-from tests.support.models import build_random_model
+from tests.support.models import narrow_llama
 from tests.support.quantized_checkpoints import compress
 
 try:
@@ -156,20 +156,6 @@ def test_a_w8a16_checkpoint_takes_int8_activations(llama_dir: Path, tmp_path: Pa
         assert len(out.outputs[0].token_ids) == 4
 
 
-def _narrow_llama(folder: Path, head_dim: int) -> Path:
-    """A Llama whose q/k/v, gate/up and head read 48 inputs and down 80: no whole blocks of 32;
-    o reads heads x head_dim."""
-    return build_random_model(
-        folder,
-        "llama",
-        "llama",
-        hidden_size=48,
-        intermediate_size=80,
-        head_dim=head_dim,
-        vocab_size=512,
-    )
-
-
 def _int8_engine(folder: Path) -> LLM:
     return LLM(
         str(folder),
@@ -182,7 +168,7 @@ def _int8_engine(folder: Path) -> LLM:
 
 @needs_vnni
 def test_only_the_linears_in_whole_blocks_of_32_take_int8_activations(tmp_path: Path) -> None:
-    with _int8_engine(_narrow_llama(tmp_path, head_dim=16)) as llm:  # o: 4 x 16 = 64 inputs
+    with _int8_engine(narrow_llama(tmp_path, head_dim=16)) as llm:  # o: 4 x 16 = 64 inputs
         model = llm.engine.executor.runner.model
         assert isinstance(model, DecoderModel)
         marked = {
@@ -199,7 +185,7 @@ def test_only_the_linears_in_whole_blocks_of_32_take_int8_activations(tmp_path: 
 
 @needs_vnni
 def test_without_a_linear_in_whole_blocks_of_32_it_is_refused(tmp_path: Path) -> None:
-    folder = _narrow_llama(tmp_path, head_dim=12)  # o: 4 x 12 = 48 inputs
+    folder = narrow_llama(tmp_path, head_dim=12)  # o: 4 x 12 = 48 inputs
     with pytest.raises(
         ConfigError, match=r"--quantize-activations int8: none of the model's 9 quantized linear"
     ):

@@ -185,6 +185,20 @@ def build_random_model(
     return folder
 
 
+def narrow_llama(folder: Path, head_dim: int) -> Path:
+    """A Llama whose q/k/v, gate/up and head read 48 inputs and down 80, no whole blocks of 32
+    (the int8 activation path's unit); o reads 4 heads x head_dim."""
+    return build_random_model(
+        folder,
+        "llama",
+        "llama",
+        hidden_size=48,
+        intermediate_size=80,
+        head_dim=head_dim,
+        vocab_size=512,
+    )
+
+
 def finish_all(engine) -> dict[str, list[int]]:
     """Step an LLMEngine until nothing is left; each finished request's (first sample's) tokens."""
     tokens = {}

@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.loading import model_spec
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear
-from tests.support.models import build_random_model
+from tests.support.models import build_random_model, narrow_llama
 from tests.support.quantized_checkpoints import compress
 
 try:
@@ -101,15 +101,7 @@ def test_a_declared_checkpoint_whose_linears_cannot_take_int8_stays_16_bit(
     checkpoint's own declaration is not, and its activations stay as they are. (The CPU's
     integer path is taken as present: no linear reaches it.)"""
     monkeypatch.setattr(model_spec, "activation_quantization_unfit", lambda q, p: None)
-    src = build_random_model(
-        tmp_path / "src",
-        "llama",
-        "llama",
-        hidden_size=48,
-        intermediate_size=80,
-        head_dim=12,
-        vocab_size=512,
-    )
+    src = narrow_llama(tmp_path / "src", head_dim=12)  # o: 4 x 12 = 48 inputs too
     folder = compress(src, tmp_path / "w8a8", "W8A8", "int-quantized")
     with (
         caplog.at_level(logging.INFO, logger="engine.worker.model_runner"),
