@@ -27,7 +27,7 @@ from engine.loading.gguf_checkpoint import (
 from engine.loading.quantized_linears import QuantizedPlacer, keep_quantized_biases
 from engine.models.base import DecoderModel
 from engine.models.layers.linear import PackableLinear
-from kernels.cpu.quant_layout import pack
+from kernels.cpu.quant_layout import QuantizedWeight, pack
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def load_gguf(
     }
     placer = QuantizedPlacer(model, path)
     later: list[GGUFTensor] = []  # views of the mapped file: nothing read yet
+    decoded: dict[str, QuantizedWeight] = {}  # a tied embedding's blocks, decoded once for both
     counts: dict[str, int] = {}
     for tensor in read_tensors(path):
         counts[tensor.type] = counts.get(tensor.type, 0) + 1
@@ -56,7 +57,8 @@ def load_gguf(
         if tensor.hf_name == "model.embed_tokens.weight":
             later.append(tensor)
             if model.tie_word_embeddings:  # the head keeps the embedding's blocks
-                model.lm_head_quantized = pack(quantized(tensor))
+                decoded[tensor.name] = quantized(tensor)
+                model.lm_head_quantized = pack(decoded[tensor.name])
             continue
         target = model._locate(tensor.hf_name)
         if target is None:
@@ -76,7 +78,7 @@ def load_gguf(
         )
     placer.finish()
     model.to_empty(device=device)  # only what stays dense: the packed layers have no weight
-    model.load_weights(_plain(later, heads))
+    model.load_weights(_plain(later, heads, decoded))
     keep_quantized_biases(model)
     return counts
 
@@ -86,12 +88,17 @@ def _permuted_heads(hf_name: str, heads: dict[str, int]) -> int | None:
     return next((h for key, h in heads.items() if f".{key}." in hf_name), None)
 
 
-def _plain(tensors: list[GGUFTensor], heads: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+def _plain(
+    tensors: list[GGUFTensor], heads: dict[str, int], decoded: dict[str, QuantizedWeight]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors that stay dense (norms, the embedding de-quantized: the lookup reads rows
-    whole), read one at a time."""
+    whole), read one at a time; `decoded`: blocks already decoded, by tensor name."""
     for tensor in tensors:
         if tensor.type in QUANTIZED:
-            yield tensor.hf_name, quantized(tensor).dequantize()
+            weight = decoded.pop(tensor.name, None)
+            if weight is None:
+                weight = quantized(tensor)
+            yield tensor.hf_name, weight.dequantize()
             continue
         value = dense(tensor)
         permute = _permuted_heads(tensor.hf_name, heads)
