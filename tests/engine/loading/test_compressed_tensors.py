@@ -17,12 +17,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from config import ConfigError, EngineConfig
+from config.engine_config import ModelConfig
 from engine import LLM, SamplingParams
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
+from engine.loading.compressed_tensors import parse_compressed_tensors
 from engine.loading.model_loader import load_model
-from engine.loading.model_spec import resolve_model_spec
+from engine.loading.model_spec import resolve_activations, resolve_model_spec
 from engine.models.layers.linear import ColumnParallelLinear, PackableLinear
+from kernels.attention import Platform
 from kernels.cpu.quant_layout import unpack
 from tests.support.models import build_random_model, greedy_of
 from tests.support.quantized_checkpoints import compress, decompressed, edit_config
@@ -203,6 +206,22 @@ def test_the_flag_for_a_plain_checkpoint_is_refused(sources) -> None:
             },
             r"group_0\.input_activations",
         ),
+        *(
+            # Dynamic int8 activations other than symmetric per token or tensor.
+            (
+                {
+                    "config_groups.group_0.input_activations": {
+                        "num_bits": 8,
+                        "type": "int",
+                        "dynamic": True,
+                        "symmetric": symmetric,
+                        "strategy": strategy,
+                    }
+                },
+                r"group_0\.input_activations",
+            )
+            for symmetric, strategy in ((False, "token"), (True, "channel"), (True, "group"))
+        ),
         (
             {"config_groups.group_0.weights.strategy": "block"},
             r"group_0\.weights\.strategy is 'block'",
@@ -211,7 +230,19 @@ def test_the_flag_for_a_plain_checkpoint_is_refused(sources) -> None:
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
         ({"quant_method": "bitsandbytes"}, r"quant_method is 'bitsandbytes'"),
     ],
-    ids=["bits-3", "2:4", "format", "static-int8-activations", "block", "class", "kv", "method"],
+    ids=[
+        "bits-3",
+        "2:4",
+        "format",
+        "static-int8-activations",
+        "asymmetric-int8-activations",
+        "int8-activations-per-channel",
+        "int8-activations-per-group",
+        "block",
+        "class",
+        "kv",
+        "method",
+    ],
 )
 def test_settings_it_cannot_serve_are_refused_naming_the_field(
     w4_copy: Path, changes: dict, field: str
@@ -332,3 +363,29 @@ def test_bf16_logprobs_stay_within_stated_bounds_of_the_original(sources, tmp_pa
         got = _prompt_logprobs(folder, prompts)
         worst = max(abs(a - b) for x, y in zip(original, got) for a, b in zip(x, y))
         assert 0 < worst <= bound, (preset, worst)
+
+
+def test_int8_activations_declared_by_only_some_schemes_are_not_rounded() -> None:
+    """A checkpoint that mixes a W8A8 scheme with a weight-only one keeps 16-bit activations for
+    every linear: the integer path is the model's, not a scheme's (--quantize-activations int8
+    would round them everywhere). Declared by every integer scheme, they are."""
+    weights = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+    acts = {"num_bits": 8, "type": "int", "dynamic": True, "symmetric": True, "strategy": "token"}
+    w8a8 = {"targets": ["re:.*mlp.*"], "weights": weights, "input_activations": acts}
+    w8a16 = {"targets": ["re:.*self_attn.*"], "weights": weights}
+    mixed = parse_compressed_tensors(
+        {"format": "int-quantized", "config_groups": {"a": w8a8, "b": w8a16}}, "config.json"
+    )
+    assert [s.int8_activations for s in mixed.schemes] == [True, False]
+    assert not mixed.int8_activations
+    # Where the integer path can run, the start-up decision keeps them 16-bit all the same.
+    cpu = Platform("cpu", torch.bfloat16, 64, None, lambda _: None)
+    assert resolve_activations(ModelConfig(), "compressed-tensors", mixed, cpu) is None
+    both = parse_compressed_tensors(
+        {
+            "format": "int-quantized",
+            "config_groups": {"a": w8a8, "b": {**w8a16, **{"input_activations": acts}}},
+        },
+        "config.json",
+    )
+    assert both.int8_activations
