@@ -46,7 +46,7 @@
 // load and one `vpermb` regroups them (no nibbles to unpack).
 // Against bf16_linear on the default model's 120 linears (bench/quant_kernel.py --passes 5, one
 // thread, the same Zen 4, 2026-11-26, two runs, load average 0.4-1.6; all formats alternating in
-// one process), bf16's median over the format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
+// one process; before the scales' prefetch, see prefetch_group), bf16's median over the format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
 // exact 1.54-1.65 / 1.32-1.46 / 0.95-1.04 / 0.89-0.99 / 0.83-0.87 / 0.79 / 0.84, with int8
 // activations 2.07-2.23 / 1.51-1.69 / 1.18-1.23 / 1.18-1.19 / 1.07-1.12 / 1.01-1.09 / 1.05-1.06;
 // Q4_0 exact 1.82-1.99 / 1.42-1.62 / 0.98-1.10 / 0.92-0.96 / 0.85-0.90 / 0.80 / 0.85-0.86, with
@@ -287,6 +287,23 @@ AVX512_TARGET inline __m512 bias_at(const float* bias, int64_t col, __mmask16 ma
     return bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + col);
 }
 
+// The next work item's scales (and mins) of group g, a 64-byte line each, while this item works
+// on its own group g. A work item's weights were prefetched this way, its scales and mins were
+// not: they are a third of a Q4_1 item's bytes (float32 scale and min per 32 4-bit values), read
+// once a group, and missed the cache (sampled: a third of the 1-row 4-bit
+// tile's time sat on those two loads). The default model's 120 linears, one thread, idle
+// 2-core Zen 4, two runs before and after, bf16's median over the format's at 1 / 4 / 16 rows:
+// Q4_1 exact 1.72, 1.39 / 1.39, 1.35 / 0.88, 0.94 -> 1.96, 1.83 / 1.42, 1.44 / 0.93, 0.92; Q4_1
+// with int8 activations 2.16, 2.30 / 1.78, 1.64 / 1.31, 1.21 -> 2.34, 2.35 / 2.08, 2.24 / 1.41,
+// 1.44 (bench/README.md); Q8_0 with int8 activations (no mins) about as before.
+inline void prefetch_group(const Weights& w, int64_t block, int64_t g) {
+    for (int64_t b = 2; b < 4; ++b) {
+        const int64_t at = ((block + b) * w.groups + g) * kCols;
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales + at), _MM_HINT_T1);
+        if (w.mins != nullptr) _mm_prefetch(reinterpret_cast<const char*>(w.mins + at), _MM_HINT_T1);
+    }
+}
+
 // A step's values 0-15 and 16-31 as two vectors of 16 int8.
 template <int kBits>
 AVX512_TARGET inline void load_step(const uint8_t* step, __m128i& lo, __m128i& hi) {
@@ -364,6 +381,7 @@ AVX512_TARGET void tile_bf16(const at::BFloat16* x, const float* xsums, const We
         for (int b = 0; b < NB; ++b)
             for (int r = 0; r < R; ++r) gs[b][r] = _mm512_setzero_ps();
         auto* acc = kGrouped ? gs : a;
+        if constexpr (kPrefetch && kGrouped) prefetch_group(w, block, g);
         const int64_t end = (g + 1) * w.group_pairs;
         for (int64_t p = g * w.group_pairs; p < end; ++p) {
             if constexpr (kPrefetch) {  // the next item's two blocks, a 64-byte line at a time
@@ -750,6 +768,7 @@ VNNI_TARGET void tile_int8(const ActRows& xa, const float* xsums, const Weights&
     alignas(64) float tot[2 * R * kCols] = {};
     alignas(64) float sc[2 * kCols];
     for (int64_t g = 0; g < w.groups; ++g) {
+        if constexpr (kPrefetch) prefetch_group(w, block, g);
         std::memcpy(sc, s0 + g * kCols, sizeof(float) * kCols);
         std::memcpy(sc + kCols, s0 + (w.groups + g) * kCols, sizeof(float) * kCols);
         for (int64_t blk = g * group_blocks; blk < (g + 1) * group_blocks; ++blk) {
