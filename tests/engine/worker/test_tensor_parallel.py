@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo, worker processes): greedy tokens with 2 and 4 ranks equal
-those of one rank, float32, on random-weight Llama and Qwen3 models with 1, 2 and 4 KV heads
-(more ranks than KV heads replicates them) and vocabularies that do not divide evenly, under
+those of one rank, float32, on random-weight Llama models with 1, 2 and 4 KV heads and a Qwen3
+with 2 (more ranks than KV heads replicates them) and vocabularies that do not divide evenly, under
 chunked prefill, preemption and prefix caching; plus the pieces: shard arithmetic, a rank
 count that does not divide the model, the packed step batch, workers that stop with the
 engine."""
@@ -45,13 +45,6 @@ def llama_kv4_dir(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def qwen3_kv4_dir(tmp_path_factory) -> Path:
-    return build_random_model(
-        tmp_path_factory.mktemp("qwen3_kv4"), "qwen3", "qwen", num_key_value_heads=4
-    )
-
-
 def run(
     model_dir: Path, regime: str, tensor_parallel_size: int
 ) -> tuple[list[list[int]], tuple[int, int]]:
@@ -76,8 +69,7 @@ CASES = [
     ("llama_kv2_dir", 2, "all"),
     ("llama_kv4_dir", 2, "all"),  # sharded checkpoint
     ("qwen3_dir", 2, "all"),  # 2 KV heads
-    ("qwen3_kv4_dir", 2, "all"),
-    ("llama_kv2_dir", 4, "all"),  # 4 ranks, 2 KV heads: each held by two ranks
+    # 4 ranks, 2 KV heads: each held by two ranks; a vocabulary that 4 does not divide.
     ("qwen3_dir", 4, "all"),
 ]
 
