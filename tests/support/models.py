@@ -257,7 +257,16 @@ def hf_greedy_batched(
     prompt at a time, as it does in the engine's own batches."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return greedy_batched_of(model, prompts, max_new_tokens)
+
+
+def greedy_batched_of(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """A transformers model's greedy tokens for all prompts in one left-padded batch, EOS
+    ignored (see `hf_greedy_batched`)."""
+    model.eval()
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)

@@ -25,7 +25,7 @@ from engine.distributed.shard import check_shardable
 from engine.errors import ModelLoadError
 from engine.loading.resolve import load_hf_config
 from engine.models.registry import describe
-from tests.support.models import build_random_model, hf_greedy
+from tests.support.models import build_random_model, greedy_batched_of
 from tests.support.prompts import cut_prompts, shared_prefix_prompts
 
 MAX_NEW = 16
@@ -77,8 +77,9 @@ def oracle(folder: Path, prompt_set: str):
     if key not in _oracle:
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = cut_prompts(tok) if prompt_set == "varied" else shared_prefix_prompts(tok)
-        tokens = hf_greedy(folder, prompts, MAX_NEW)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # One left-padded batch: the same tokens as one prompt at a time for every model here.
+        tokens = greedy_batched_of(model, prompts, MAX_NEW)
         logprobs = []
         for prompt, out in zip(prompts, tokens):
             with torch.no_grad():
