@@ -106,6 +106,7 @@ def generate(folder: Path, prompts: list[list[int]], **kwargs):
 
 
 def check(got_tokens, got_logprobs, want_tokens, want_logprobs) -> None:
+    assert len(got_tokens) == len(want_tokens) and len(got_logprobs) == len(want_logprobs)
     for i, (g, w) in enumerate(zip(got_tokens, want_tokens)):
         assert g == w, f"prompt {i}: tokens {g} != {w}"
     for g, w in zip(got_logprobs, want_logprobs):

@@ -62,6 +62,7 @@ def test_greedy_tokens_equal_transformers(model_fixture: str, regime: str, reque
     outputs = llm.generate(prompts, GREEDY)
 
     got = [o.outputs[0].token_ids for o in outputs]
+    assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, (
             f"prompt {i} ({len(prompts[i])} tokens): first divergence at {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"

@@ -82,6 +82,7 @@ def test_greedy_tokens_equal_one_rank(model_fixture: str, size: int, regime: str
         _one_rank[key] = run(model_dir, regime, 1)[0]
     want = _one_rank[key]
     got, (preemptions, hits) = run(model_dir, regime, size)
+    assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (
             f"prompt {i}: first divergence at {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
