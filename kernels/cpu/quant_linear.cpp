@@ -46,7 +46,8 @@
 // load and one `vpermb` regroups them (no nibbles to unpack).
 // Against bf16_linear on the default model's 120 linears (bench/quant_kernel.py --passes 5, one
 // thread, the same Zen 4, 2026-11-26, two runs, load average 0.4-1.6; all formats alternating in
-// one process; before the scales' prefetch, see prefetch_group), bf16's median over the format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
+// one process; before the scales' prefetch, see prefetch_group), bf16's median over the
+// format's at 1 / 4 / 8 / 16 / 32 / 64 / 128 rows: Q4_1
 // exact 1.54-1.65 / 1.32-1.46 / 0.95-1.04 / 0.89-0.99 / 0.83-0.87 / 0.79 / 0.84, with int8
 // activations 2.07-2.23 / 1.51-1.69 / 1.18-1.23 / 1.18-1.19 / 1.07-1.12 / 1.01-1.09 / 1.05-1.06;
 // Q4_0 exact 1.82-1.99 / 1.42-1.62 / 0.98-1.10 / 0.92-0.96 / 0.85-0.90 / 0.80 / 0.85-0.86, with
@@ -290,8 +291,8 @@ AVX512_TARGET inline __m512 bias_at(const float* bias, int64_t col, __mmask16 ma
 // The next work item's scales (and mins) of group g, a 64-byte line each, while this item works
 // on its own group g. A work item's weights were prefetched this way, its scales and mins were
 // not: they are a third of a Q4_1 item's bytes (float32 scale and min per 32 4-bit values), read
-// once a group, and missed the cache (sampled: a third of the 1-row 4-bit
-// tile's time sat on those two loads). The default model's 120 linears, one thread, idle
+// once a group, and missed the cache (sampled: a third of the 1-row 4-bit tile's time sat on
+// those two loads). The default model's 120 linears, one thread, idle
 // 2-core Zen 4, two runs before and after, bf16's median over the format's at 1 / 4 / 16 rows:
 // Q4_1 exact 1.72, 1.39 / 1.39, 1.35 / 0.88, 0.94 -> 1.96, 1.83 / 1.42, 1.44 / 0.93, 0.92; Q4_1
 // with int8 activations 2.16, 2.30 / 1.78, 1.64 / 1.31, 1.21 -> 2.34, 2.35 / 2.08, 2.24 / 1.41,

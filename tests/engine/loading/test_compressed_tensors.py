@@ -384,7 +384,7 @@ def test_int8_activations_declared_by_only_some_schemes_are_not_rounded() -> Non
     both = parse_compressed_tensors(
         {
             "format": "int-quantized",
-            "config_groups": {"a": w8a8, "b": {**w8a16, **{"input_activations": acts}}},
+            "config_groups": {"a": w8a8, "b": {**w8a16, "input_activations": acts}},
         },
         "config.json",
     )
