@@ -178,7 +178,10 @@ class CacheConfig(_Strict):
         None,
         description="publish KV cache events (blocks stored, evicted, cleared) over ZMQ for "
         "prefix-aware routers, in vLLM's format: a JSON object of vLLM's keys, e.g. "
-        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
+        "'{\"enable_kv_cache_events\": true}', bound on tcp://<--host>:5557 (offline, with "
+        "no --host: 127.0.0.1), unlike vLLM's every interface; a named endpoint "
+        '("tcp://*:5557") works as in vLLM, and "bind": true/false says whether it is bound '
+        "or connected to (default: off)",
     )
 
     @field_validator("kv_events_config", mode="before")

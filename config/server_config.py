@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from config.engine_config import EngineConfig, _Strict
 
@@ -168,3 +168,17 @@ class ServeConfig(_Strict):
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _kv_events_on_the_host(self) -> ServeConfig:
+        # KV events with no endpoint named go where the HTTP API listens: a server kept on
+        # loopback must not publish what its cache holds to every interface. Copies, so that
+        # an engine config the caller holds is left as it was.
+        events = self.engine.cache.kv_events_config
+        if events is not None and events.endpoint is None:
+            cache = self.engine.cache.model_copy(
+                update={"kv_events_config": events.on_host(self.server.host)}
+            )
+            # Set past validate_assignment, which would run this validator once more.
+            object.__setattr__(self, "engine", self.engine.model_copy(update={"cache": cache}))
+        return self

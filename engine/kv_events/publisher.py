@@ -30,15 +30,13 @@ FLAG = "--kv-events-config"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard address, ipc:// or inproc:// is bound; anything else names a
-    subscriber that binds (llm-d's central mode) and is connected to."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
+def on_ipv6(endpoint: str) -> bool:
+    """Whether a tcp:// address names an IPv6 host (`tcp://[::1]:5557`): ZMQ opens IPv6 only
+    when told to, and fails on such an address otherwise."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return ":" in host
 
 
 class KVEventPublisher:
@@ -63,20 +61,30 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
+        endpoint = config.address
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.set_hwm(config.hwm)
-            (self._pub.bind if binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            self._pub.setsockopt(zmq.IPV6, on_ipv6(endpoint))
+            (self._pub.bind if config.binds else self._pub.connect)(endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.IPV6, on_ipv6(config.replay_endpoint))
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ConfigError(
                 f"{FLAG}: cannot open the KV events socket ({exc}); endpoint "
-                f"{config.endpoint!r}, replay_endpoint {config.replay_endpoint!r}"
+                f"{endpoint!r}, replay_endpoint {config.replay_endpoint!r}"
             ) from None
+        # What ZMQ resolved a bound address to (a host name, port 0), or the address connected to.
+        self.address: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(
+            "KV events: publishing on %s (%s)",
+            self.address,
+            "bound" if config.binds else "connected to a subscriber that binds",
+        )
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,13 +13,49 @@ import msgpack
 import zmq
 
 
-def free_tcp_endpoint() -> str:
-    """A loopback endpoint nobody listens on now (a plain socket: a ZMQ socket releases its
-    port only later, on its I/O thread)."""
+def free_port() -> int:
+    """A TCP port nobody listens on now, on any interface (a plain socket: a ZMQ socket
+    releases its port only later, on its I/O thread)."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"
+        probe.bind(("0.0.0.0", 0))
+        return int(probe.getsockname()[1])
+
+
+def free_tcp_endpoint() -> str:
+    """A loopback endpoint nobody listens on now."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def outward_address(family: socket.AddressFamily) -> str | None:
+    """An address of this machine that is not loopback (the one it would reach the network
+    from), or None where it has none. A UDP connect only picks a route: nothing is sent."""
+    far = "198.51.100.1" if family == socket.AF_INET else "2001:db8::1"
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((far, 9))
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") or address == "::1" else address
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can listen on ::1 (containers often run without IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def accepts_tcp(address: str, port: int) -> bool:
+    """Whether something listens on address:port (a plain TCP connect, refused or not)."""
+    try:
+        with socket.create_connection((address, port), timeout=5):
+            return True
+    except ConnectionRefusedError:
+        return False
 
 
 def apply(events: list[Any], cached: set[int]) -> None:
@@ -37,19 +74,36 @@ def apply(events: list[Any], cached: set[int]) -> None:
 
 @dataclass
 class Subscriber:
-    """A SUB socket that binds (the publisher connects to it, as to llm-d's central picker)."""
+    """A SUB socket that binds (the publisher connects to it, as to llm-d's central picker),
+    or, given `connect`, one that connects to a publisher that binds (llm-d's pod discovery)."""
 
     ctx: zmq.Context
     topic: bytes = b""
     endpoint: str = ""
+    connect: str | None = None
     messages: list[tuple[int, list[Any]]] = field(default_factory=list)  # (seq, batch)
 
     def __post_init__(self) -> None:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        if self.connect is not None:
+            self.sock.setsockopt(zmq.IPV6, 1)
+            self.sock.connect(self.connect)
+            self.endpoint = self.connect
+            return
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    def first_message(self, send: Callable[[], None], timeout: float = 10.0) -> None:
+        """Call `send` until a message arrives: a publisher drops what it sends before a newly
+        connected subscriber's subscription reaches it, and nothing says when that is."""
+        deadline = time.monotonic() + timeout
+        while not self.messages:
+            assert time.monotonic() < deadline, f"nothing arrived at {self.endpoint}"
+            send()
+            if self.sock.poll(100):
+                self.take(self.sock.recv_multipart())
 
     def settle(self, seconds: float = 0.3) -> None:
         """Let the socket take in new connections: a SUB that binds sends its subscription to

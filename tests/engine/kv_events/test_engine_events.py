@@ -5,6 +5,8 @@ have no gap, and replay hands back what a subscriber missed."""
 
 from __future__ import annotations
 
+import itertools
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,18 @@ import zmq
 from transformers import AutoTokenizer
 
 from config import ConfigError
+from config import kv_events_config as kv_events_settings
 from engine import LLM, SamplingParams
 from engine.core.kv_cache_manager import chain_hash
-from tests.support.kv_events import Subscriber, apply, free_tcp_endpoint, replay
+from tests.support.kv_events import (
+    Subscriber,
+    accepts_tcp,
+    apply,
+    free_port,
+    free_tcp_endpoint,
+    outward_address,
+    replay,
+)
 from tests.support.prompts import cut_prompts, shared_prefix_prompts
 
 BLOCK = 8
@@ -156,3 +167,25 @@ def test_unusable_endpoint_is_a_start_up_error_naming_the_flag(
     config = {"enable_kv_cache_events": True, "endpoint": free_tcp_endpoint()}
     with pytest.raises(ConfigError, match=r"--kv-events-config.*prefix cache, which is off"):
         LLM(str(llama_dir), kv_events_config=config, enable_prefix_caching=False, **ENGINE)
+
+
+def test_the_python_apis_default_endpoint_is_on_loopback_only(
+    llama_dir: Path, ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No endpoint, no --host: a subscriber on this machine gets the events, and the port is
+    not open on any other interface."""
+    port = free_port()
+    monkeypatch.setattr(kv_events_settings, "DEFAULT_PORT", port)
+    with LLM(str(llama_dir), kv_events_config={"enable_kv_cache_events": True}, **ENGINE) as llm:
+        publisher = llm.engine.kv_events
+        assert publisher is not None
+        assert publisher.address == f"tcp://127.0.0.1:{port}"
+        sub = Subscriber(ctx, connect=f"tcp://127.0.0.1:{port}")
+        firsts = itertools.count(10)
+        # Each prompt new (two full blocks): each run stores blocks, so each sends events.
+        sub.first_message(lambda: llm.generate([[next(firsts)] * (2 * BLOCK + 1)], PARAMS))
+        assert any(event[0] == "BlockStored" for _, batch in sub.messages for event in batch[1])
+        sub.close()
+        outward = outward_address(socket.AF_INET)
+        if outward is not None:
+            assert not accepts_tcp(outward, port), (outward, port)
