@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
 
 _INT64 = 2**63
+# Below this a temperature samples as greedy (vLLM's threshold): dividing logits by a smaller
+# one overflows them to infinities, whose softmax is NaN.
+_GREEDY_BELOW = 1e-5
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+)
 
 
 @dataclass
@@ -59,6 +72,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for name in _FLOAT_FIELDS:  # NaN passes no range check below, but inf passes some
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
         checks: list[tuple[bool, str, str]] = [
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (
@@ -161,7 +178,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:

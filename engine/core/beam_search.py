@@ -21,12 +21,15 @@ preempted and is recomputing) is skipped by the scheduler until the group steps.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+
+_FLOAT32_SMALLEST = 2.0**-149  # the smallest positive float32 (a subnormal)
 
 
 @dataclass
@@ -124,7 +127,7 @@ class BeamGroup:
             len(self.finished) == self.width and self.early_stopping is True
         ):
             return
-        scores = values / (length**self.length_penalty)  # float32, as transformers divides
+        scores = values / length_divisor(length, self.length_penalty)  # as transformers divides
         added = False
         for r in range(min(self.width, len(candidates))):
             if not ends[r]:
@@ -158,7 +161,7 @@ class BeamGroup:
             return  # a free slot: anything running can still enter
         longest = self.early_stopping == "never" and self.length_penalty > 0.0
         length = self.max_new_tokens if longest else self.num_generated
-        best_running = self.scores[0] / (length**self.length_penalty)
+        best_running = self.scores[0] / length_divisor(length, self.length_penalty)
         worst_finished = torch.tensor(min(h.score for h in self.finished), dtype=torch.float32)
         self.improvable = bool(best_running > worst_finished)
 
@@ -209,16 +212,30 @@ class BeamGroup:
         self.rows.clear()
         self.done = True
 
-    def abort(self, scheduler: Scheduler) -> None:
+    def abort(self, scheduler: Scheduler, reason: str = "abort") -> None:
+        """Stop the search early: aborted, or "error" when the engine failed it."""
         self.aborted = True
         for beam in self.beams:
             if not beam.is_finished:
-                beam.finish_reason = "abort"
+                beam.finish_reason = reason
         self._end(scheduler)
 
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(h.token_ids) for h in self.finished)
+
+
+def length_divisor(length: int, length_penalty: float) -> float:
+    """length ** length_penalty, what a hypothesis' summed logprob is divided by to rank it:
+    computed in float64 as transformers does, then kept within what the float32 division can
+    take. Past float64's range it is inf (every such score a tie at 0) instead of an
+    OverflowError; below float32's smallest step it is that step, never 0 (0 / 0 is NaN, which
+    would make the ranking meaningless)."""
+    try:
+        divisor = float(length) ** length_penalty
+    except OverflowError:
+        return math.inf
+    return max(divisor, _FLOAT32_SMALLEST)
 
 
 def beam_group_for(root: Sequence, vocab_size: int, max_model_len: int) -> BeamGroup:

@@ -3,12 +3,14 @@ shared copy-on-write blocks, under chunked prefill, preemption and prefix cachin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, BeamSearchParams, SamplingParams
+from engine.core.beam_search import length_divisor
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from tests.support.models import hf_beams, hf_greedy
@@ -106,6 +108,32 @@ def test_equals_transformers_under_chunked_prefill(
     )
     assert_equals_transformers(llm, model, prompt, params)
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, -1000.0, 1e308, -1e308])
+def test_extreme_length_penalties_rank_without_overflow(llm: LLM, length_penalty: float) -> None:
+    """7 ** 1000 is past float64: the divisor is inf (every score -0.0), or for -1000 it is
+    below float32's range (every score -inf), never an OverflowError or a NaN. Every hypothesis
+    here ends at the length limit, where any penalty divides all of them alike: the ranking is
+    the one by summed logprob, which length_penalty 1 gives (checked against transformers
+    above)."""
+    prompt = [5, 6, 7, 8]
+
+    def search(penalty: float) -> list[tuple[list[int], float]]:
+        params = BeamSearchParams(2, 6, ignore_eos=True, length_penalty=penalty)
+        (out,) = llm.beam_search([prompt], params)
+        assert not any(math.isnan(s.score) for s in out.sequences)
+        return [(s.output_token_ids, s.cum_logprob) for s in out.sequences]
+
+    assert search(length_penalty) == search(1.0)
+    assert_all_blocks_free(llm)
+
+
+def test_length_divisor_stays_in_float32s_range() -> None:
+    assert length_divisor(3, 2.0) == 9.0  # as transformers computes it, while it can
+    assert length_divisor(7, 1000.0) == math.inf  # 7.0 ** 1000 raises OverflowError
+    assert length_divisor(7, -1000.0) == 2.0**-149  # 0.0 underflowed: 0 / 0 would be NaN
+    assert (torch.tensor([0.0, -1.0]) / length_divisor(7, -1000.0)).isnan().sum() == 0
 
 
 def best_without_stops(llm: LLM, prompt: list[int], k: int) -> list[int]:
@@ -281,6 +309,9 @@ def test_abort_frees_every_beam(qwen3_dir: Path) -> None:
         ({"top_p": 0.5}, "top_p"),
         ({"stop": ["x"]}, "stop"),
         ({"n": 64}, "n"),  # more beams than the pool can hold at full length
+        ({"length_penalty": float("nan")}, "length_penalty"),
+        ({"length_penalty": float("inf")}, "length_penalty"),
+        ({"length_penalty": float("-inf")}, "length_penalty"),
     ],
 )
 def test_bad_beam_requests_name_the_field(qwen3_dir: Path, params: dict, field: str) -> None:
