@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.openai.protocol import Int, Text, _Request
+from server.openai.protocol import INT64_MAX, Int, Text, _Request
 
 Blocks = list[dict[str, Any]]
 
@@ -64,7 +64,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: Int = Field(ge=1)  # required, as Anthropic requires it
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=0)
+    top_k: Int | None = Field(None, ge=0, le=INT64_MAX)
     stop_sequences: list[Text] | None = None
     stream: bool = False
     metadata: Metadata | None = None

@@ -19,6 +19,12 @@ from engine import InvalidRequestError, RequestOutput
 from engine.structured import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Beam search ranks a hypothesis by its logprob sum / length ** length_penalty, in float32 as
+# transformers does. Within [-5, 5] that divisor stays a normal float32 for every length up to
+# 2**25 tokens (5 * 25 < 126), so no score collapses to 0 or infinity and ties with the rest; the
+# values used in practice (0.6 to 2: transformers' examples, summarisation models' defaults) are
+# well inside. vLLM takes any float, which a large enough length overflows.
+LENGTH_PENALTY_LIMIT = 5.0
 
 
 def _whole(value: object) -> object:
@@ -97,7 +103,7 @@ class SamplingFields(_Request):
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1, le=INT64_MAX)  # past the vocabulary: no top-k
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -109,7 +115,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     # vLLM's beam search: n is the beam width, the n best hypotheses are the choices.
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-LENGTH_PENALTY_LIMIT, le=LENGTH_PENALTY_LIMIT)
     early_stopping: bool | Literal["never"] = False
     # vLLM's: lower is served earlier, on a server started with --scheduling-policy priority.
     priority: Int = Field(0, ge=INT64_MIN, le=INT64_MAX)
