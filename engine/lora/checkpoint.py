@@ -2,7 +2,9 @@
 `adapter_model.safetensors` (each target module's A and B). Everything that would make the
 adapter wrong or unusable is refused here, before it comes near a slot: a missing folder, a
 rank above the slots' rank, a config this engine does not apply (DoRA, per-module ranks,
-trained biases or whole modules), tensors that do not pair up or do not fit their rank."""
+trained biases or whole modules), tensors that do not pair up or do not fit their rank, an
+alpha or a weight that is not a finite number. The files are read as engine/lora/files.py
+reads them: regular files only, each within a cap, so that no path can hang the reader."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from engine.errors import InvalidRequestError
+from engine.lora.files import FileRefused, FileTooLarge, read_regular_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target: the decoder layers' attention and MLP linears.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT writes a few hundred bytes of settings; a megabyte is any real config with room to spare.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class LoRALoadError(InvalidRequestError):
@@ -46,9 +51,11 @@ def _refuse(path: Path, why: str) -> LoRALoadError:
 
 def _read_config(path: Path) -> dict:
     try:
-        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        config = json.loads(read_regular_file(path / CONFIG_FILE, MAX_CONFIG_BYTES))
     except FileNotFoundError:
         raise _refuse(path, f"no {CONFIG_FILE} (not a PEFT adapter folder)") from None
+    except FileRefused as exc:
+        raise _refuse(path, str(exc)) from None
     except (OSError, ValueError) as exc:
         raise _refuse(path, f"cannot read {CONFIG_FILE}: {exc}") from None
     if not isinstance(config, dict):
@@ -65,6 +72,9 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
         raise _refuse(path, f"rank r must be a positive integer, got {rank!r}")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
+    # Python's json reads NaN and Infinity, and an integer past a float's range: each would
+    # scale every update into NaN or inf, so the adapter's tokens would be garbage.
+    alpha = _finite_alpha(path, alpha)
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise _refuse(path, f"use_rslora must be true or false, got {rslora!r}")
@@ -100,6 +110,18 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+def _finite_alpha(path: Path, alpha: int | float) -> float:
+    """`alpha` as a float if it is finite, positive and a finite float32: the scaling (alpha
+    over the rank or its root, never more than alpha) goes into the per-row mask's float32."""
+    try:
+        value = float(alpha)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or not 0 < value <= torch.finfo(torch.float32).max:
+        raise _refuse(path, f"lora_alpha must be a finite positive number, got {alpha!r}")
+    return value
+
+
 def _pair_tensors(
     path: Path, tensors: dict[str, torch.Tensor], rank: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -124,39 +146,49 @@ def _pair_tensors(
             )
         if module.split(".")[-1] not in SUPPORTED_TARGETS:
             raise _refuse(path, f"{module} is not one of the supported {list(SUPPORTED_TARGETS)}")
+        a, b = a.float(), b.float()  # (a float64 beyond float32's range turns inf here)
+        for which, tensor in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise _refuse(path, f"{module}: {which} holds NaN or infinite values")
         modules[module] = (a, b)
     if not modules:
         raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
     return modules
 
 
-def read_checkpoint(path: str | Path, max_rank: int) -> LoRACheckpoint:
+def read_checkpoint(path: str | Path, max_rank: int, max_weights_bytes: int) -> LoRACheckpoint:
     """The adapter in folder `path`, its tensors in float32 on the host; LoRALoadError if it
-    cannot be served with slots of rank `max_rank`."""
+    cannot be served with slots of rank `max_rank`, or if its weights file is larger than
+    `max_weights_bytes` (what the largest adapter the slots could serve may hold: see
+    LoRASlots.max_weights_bytes)."""
     folder = Path(path)
     try:
-        return _read(folder, max_rank)
+        return _read(folder, max_rank, max_weights_bytes)
     except LoRALoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - a checkpoint is user input: never a 500
         raise _refuse(folder, f"cannot be read: {type(exc).__name__}: {exc}") from None
 
 
-def _read(folder: Path, max_rank: int) -> LoRACheckpoint:
+def _read(folder: Path, max_rank: int, max_weights_bytes: int) -> LoRACheckpoint:
     if not folder.is_dir():
         raise _refuse(folder, "no such folder")
     config = _read_config(folder)
     rank, scaling = _check_config(folder, config, max_rank)
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise _refuse(folder, f"no {WEIGHTS_FILE} (only safetensors weights are read)")
     try:
-        tensors = load_file(weights)
+        data = read_regular_file(folder / WEIGHTS_FILE, max_weights_bytes)
+    except FileNotFoundError:
+        raise _refuse(folder, f"no {WEIGHTS_FILE} (only safetensors weights are read)") from None
+    except FileTooLarge as exc:
+        raise _refuse(
+            folder, f"{exc} (the most an adapter of rank {max_rank} for this model can hold)"
+        ) from None
+    except FileRefused as exc:
+        raise _refuse(folder, str(exc)) from None
+    try:
+        tensors = load_safetensors(data)
     except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds for a bad file
         raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
-    modules = {
-        name: (a.float(), b.float())
-        for name, (a, b) in _pair_tensors(folder, tensors, rank).items()
-    }
+    modules = _pair_tensors(folder, tensors, rank)
     base = config.get("base_model_name_or_path")
     return LoRACheckpoint(rank, scaling, modules, base if isinstance(base, str) else None)

@@ -21,6 +21,13 @@ from engine.models.base import DecoderModel
 from engine.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.models.layers.lora import LoRALayer, LoRAStep
 
+# safetensors' widest dtype (F64, I64, U64), and what its header may spend on one tensor's
+# entry (name, dtype, shape, offsets) and on the whole file beyond its entries: generous for
+# PEFT's names (about 60 characters) and its metadata.
+MAX_ITEM_BYTES = 8
+HEADER_BYTES_PER_TENSOR = 1024
+HEADER_BYTES = 64 * 1024
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -62,6 +69,22 @@ class LoRASlots:
             )
             module.lora = LoRALayer(self.step, module.in_features, sizes, self.dtype, weight.device)
             self.layers[name] = module
+        self.max_weights_bytes = self._max_weights_bytes(rank)
+
+    def _max_weights_bytes(self, rank: int) -> int:
+        """The largest `adapter_model.safetensors` an adapter these slots could serve may be:
+        an A and a B of rank `rank` for every module it may target (each projection of every
+        layer, whole: not this rank's slice), in the widest dtype, with room for the header. A
+        larger file cannot be a servable adapter, so it is refused before it is read."""
+        elements, tensors = 0, 0
+        for layer in self.layers.values():
+            if isinstance(layer, RowParallelLinear):
+                shapes = [(layer.in_features * self.shard_size, layer.out_features)]
+            else:
+                shapes = [(layer.in_features, part.total) for part in layer.part_list]
+            elements += sum(rank * (fan_in + fan_out) for fan_in, fan_out in shapes)
+            tensors += 2 * len(shapes)
+        return elements * MAX_ITEM_BYTES + tensors * HEADER_BYTES_PER_TENSOR + HEADER_BYTES
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,7 +98,7 @@ class LoRASlots:
         if placed is not None:
             self.cache.move_to_end(request)
             return placed
-        checkpoint = read_checkpoint(request.lora_path, self.step.rank)
+        checkpoint = read_checkpoint(request.lora_path, self.step.rank, self.max_weights_bytes)
         placed = self._place(request, checkpoint)
         self.cache[request] = placed
         while len(self.cache) > self.max_cpu_loras:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.distributed.shard import WHOLE, Shard
-from engine.lora import LoRALoadError, LoRARequest, read_checkpoint
+from engine.lora import LoRACheckpoint, LoRALoadError, LoRARequest, read_checkpoint
 from engine.lora.slots import LoRASlots
 from engine.models.llama import LlamaForCausalLM
 from tests.support.lora import ALL_TARGETS, make_adapter
@@ -27,6 +27,14 @@ def adapter(llama_dir: Path, tmp_path_factory) -> Path:
     return make_adapter(
         llama_dir, tmp_path_factory.mktemp("ckpt") / "a", 8, 16, ALL_TARGETS, seed=3
     )
+
+
+# Far above any adapter made here: the weights' cap has tests of its own (test_lora_files.py).
+ANY_SIZE = 1 << 30
+
+
+def _read(folder: Path, max_rank: int) -> LoRACheckpoint:
+    return read_checkpoint(folder, max_rank, max_weights_bytes=ANY_SIZE)
 
 
 def _copy(adapter: Path, tmp_path: Path) -> Path:
@@ -41,7 +49,7 @@ def _edit_config(folder: Path, **changes) -> None:
 
 
 def test_reads_rank_scaling_and_modules(adapter):
-    ckpt = read_checkpoint(adapter, max_rank=8)
+    ckpt = _read(adapter, max_rank=8)
     assert ckpt.rank == 8 and ckpt.scaling == 2.0
     assert len(ckpt.modules) == 2 * 7  # two layers, seven projections each
     a, b = ckpt.modules["model.layers.1.mlp.down_proj"]
@@ -51,7 +59,7 @@ def test_reads_rank_scaling_and_modules(adapter):
 def test_rslora_scaling(adapter, tmp_path):
     folder = _copy(adapter, tmp_path)
     _edit_config(folder, use_rslora=True)
-    assert read_checkpoint(folder, max_rank=8).scaling == pytest.approx(16 / math.sqrt(8))
+    assert _read(folder, max_rank=8).scaling == pytest.approx(16 / math.sqrt(8))
 
 
 @pytest.mark.parametrize(
@@ -69,32 +77,40 @@ def test_rslora_scaling(adapter, tmp_path):
         ({"lora_alpha": [16]}, r"lora_alpha must be a number, got \[16\]"),
         ({"use_rslora": "yes"}, "use_rslora must be true or false, got 'yes'"),
         ({"peft_type": ["LORA"]}, "is not LORA"),
+        # Python's json writes and reads these literals (NaN, Infinity, -Infinity).
+        ({"lora_alpha": float("nan")}, "lora_alpha must be a finite positive number, got nan"),
+        ({"lora_alpha": float("inf")}, "lora_alpha must be a finite positive number, got inf"),
+        ({"lora_alpha": float("-inf")}, "lora_alpha must be a finite positive number, got -inf"),
+        ({"lora_alpha": 0}, "lora_alpha must be a finite positive number, got 0"),
+        ({"lora_alpha": -16}, "lora_alpha must be a finite positive number, got -16"),
+        ({"lora_alpha": 10**400}, "lora_alpha must be a finite positive number, got 1000"),
+        ({"lora_alpha": 1e300}, "lora_alpha must be a finite positive number, got 1e"),
     ],
 )
 def test_config_checks(adapter, tmp_path, change, message):
     folder = _copy(adapter, tmp_path)
     _edit_config(folder, **change)
     if message is None:
-        read_checkpoint(folder, max_rank=8)
+        _read(folder, max_rank=8)
         return
     with pytest.raises(LoRALoadError, match=message):
-        read_checkpoint(folder, max_rank=8)
+        _read(folder, max_rank=8)
 
 
 def test_missing_folder_rank_and_corrupt_file(adapter, tmp_path):
     with pytest.raises(LoRALoadError, match="no such folder") as missing:
-        read_checkpoint(tmp_path / "nowhere", max_rank=8)
+        _read(tmp_path / "nowhere", max_rank=8)
     assert missing.value.param == "lora_path"
     with pytest.raises(LoRALoadError, match="rank 8 is above --max-lora-rank 4"):
-        read_checkpoint(adapter, max_rank=4)
+        _read(adapter, max_rank=4)
     folder = _copy(adapter, tmp_path)
     weights = folder / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(LoRALoadError, match="not a readable safetensors file"):
-        read_checkpoint(folder, max_rank=8)
+        _read(folder, max_rank=8)
     (folder / "adapter_config.json").unlink()
     with pytest.raises(LoRALoadError, match=r"no adapter_config\.json"):
-        read_checkpoint(folder, max_rank=8)
+        _read(folder, max_rank=8)
 
 
 def _model(model_dir: Path, shard: Shard = WHOLE) -> LlamaForCausalLM:
@@ -127,7 +143,7 @@ def test_another_base_model_is_refused(adapter, tmp_path):
 def test_fused_parts_and_tensor_parallel_slices(llama_dir, adapter):
     """q/k/v and gate/up land in their part of the fused layer; rank r of 2 keeps B's rows of
     its heads and columns (column-parallel) and A's columns of its inputs (row-parallel)."""
-    ckpt = read_checkpoint(adapter, max_rank=8)
+    ckpt = _read(adapter, max_rank=8)
     request = LoRARequest("a", 1, str(adapter))
     for rank in (0, 1):
         model = _model(llama_dir, Shard(rank, 2))
@@ -185,5 +201,5 @@ def test_an_unexpected_error_while_reading_is_a_load_error(adapter, monkeypatch)
 
     monkeypatch.setattr(checkpoint, "_pair_tensors", broken)
     with pytest.raises(LoRALoadError, match="cannot be read: KeyError: 'weird'") as caught:
-        read_checkpoint(adapter, max_rank=8)
+        _read(adapter, max_rank=8)
     assert caught.value.param == "lora_path"
