@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from config.engine_config import EngineConfig, _Strict
+from config.lora_names import lora_name_problem
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
@@ -26,18 +27,26 @@ class LoRAModule(_Strict):
     path: str = Field(min_length=1)
     base_model_name: str | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _name_allowed(cls, value: str) -> str:
+        problem = lora_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @classmethod
     def parse(cls, text: str) -> LoRAModule:
         """`name=path`, or a JSON object with name, path and, optionally, base_model_name."""
-        if text.lstrip().startswith("{"):
-            try:
+        try:
+            if text.lstrip().startswith("{"):
                 return cls.model_validate_json(text)
-            except ValidationError as exc:
-                raise ValueError(f"--lora-modules {text!r}: {exc.errors()[0]['msg']}") from None
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules {text!r}: expected name=path or a JSON object")
-        return cls(name=name, path=path)
+            name, sep, path = text.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {text!r}: expected name=path or a JSON object")
+            return cls(name=name, path=path)
+        except ValidationError as exc:
+            raise ValueError(f"--lora-modules {text!r}: {exc.errors()[0]['msg']}") from None
 
 
 class ServerConfig(_Strict):

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 
+from config.lora_names import lora_name_problem
 from engine.client import EngineClient, LoRARequest
 from server.errors import APIError, invalid
 
@@ -35,9 +36,12 @@ class LoRARegistry:
         self, engine: EngineClient, name: str, path: str, base_model_name: str | None = None
     ) -> LoRARequest:
         """Read and check the adapter on the engine (a bad one: LoRALoadError, a 400), then
-        serve it under `name`."""
+        serve it under `name` (one outside config/lora_names.py's rule: a 400)."""
         if engine.info.max_loras is None:
             raise invalid("LoRA adapters need a server started with --enable-lora", "lora_name")
+        problem = lora_name_problem(name)
+        if problem is not None:
+            raise invalid(problem, "lora_name")
         async with self._lock:
             if name in self.base_names:
                 raise invalid(f"'{name}' is the base model's name", "lora_name")
