@@ -26,9 +26,10 @@ from typing import Any, cast
 
 from config import EngineConfig
 from engine.client import EngineRequest, PoolingRequest
+from engine.core.request_failures import describe
 from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import CheckedRequest, LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
@@ -290,8 +291,7 @@ class AsyncEngine:
                     finally:
                         self.step_started = None
                 # Metrics first: a client that has its answer finds it counted at /metrics.
-                if self.on_stats is not None:
-                    self.on_stats(self.engine.take_stats())
+                self._record_stats()
                 for output in outputs:
                     self._deliver(output)
         except BaseException as exc:  # a failed step must fail every request, never hang one
@@ -304,6 +304,15 @@ class AsyncEngine:
                 if aborted is not None:
                     self._deliver(aborted)
             self._close(EngineDeadError("the engine has shut down"))
+
+    def _record_stats(self) -> None:
+        if self.on_stats is None:
+            return
+        stats = self.engine.take_stats()
+        try:
+            self.on_stats(stats)
+        except Exception:  # noqa: BLE001 - an observer's failure must not stop the serving
+            log.exception("recording the engine's statistics failed; serving goes on")
 
     def _close(self, reason: EngineDeadError) -> None:
         """Stop accepting, then fail whatever is still waiting: nothing can be left hanging."""
@@ -371,11 +380,19 @@ class AsyncEngine:
         except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a request that cannot enter fails alone
+            log.error("request %s could not be added", request.request_id, exc_info=exc)
+            item.sink.send(RequestFailedError(describe(exc)))
+            return
         self._sinks[request.request_id] = item.sink
 
     def _deliver(self, output: EngineOutput) -> None:
         sink = self._sinks.get(output.request_id)
         if output.finished:
             self._sinks.pop(output.request_id, None)
-        if sink is not None:
+        if sink is None:
+            return
+        if isinstance(output, RequestOutput) and output.error is not None:
+            sink.send(RequestFailedError(output.error))  # the request's stream raises it
+        else:
             sink.send(output)

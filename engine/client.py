@@ -1,6 +1,7 @@
 """What a frontend may call on the engine: the `EngineClient` protocol (`AsyncEngine` is the
-one implementation), the request it submits, and the errors it may get back. The server is
-written against this, never against the engine thread's objects.
+one implementation), the request it submits, and the errors it may get back (a stream raises
+`RequestFailedError` when the engine failed that request alone). The server is written against
+this, never against the engine thread's objects.
 
 A request crosses once: `submit` checks it (the engine's limits, then its grammar compiled off
 the event loop) and raises `InvalidRequestError` before anything is queued; the stream it
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.engine_info import EngineInfo
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.lora import LoRALoadError, LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
@@ -30,6 +31,7 @@ __all__ = [
     "LoRALoadError",
     "LoRARequest",
     "PoolingRequest",
+    "RequestFailedError",
 ]
 
 

@@ -21,3 +21,8 @@ class EngineDeadError(RuntimeError):
     def __init__(self, message: str, failed: bool = False) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request while stepping it (HTTP 500); the engine and every
+    other request go on."""

@@ -10,6 +10,8 @@ from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.core.beam_search import length_divisor
+from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -172,6 +174,8 @@ class LLM:
         outputs = self.generate(prompts, params.to_sampling_params())
         results = []
         for out in outputs:
+            if out.error is not None:
+                raise RequestFailedError(out.error)
             sequences = []
             for o in out.outputs:
                 cum = o.cumulative_logprob
@@ -183,7 +187,7 @@ class LLM:
                         output_token_ids=list(o.token_ids),
                         text=o.text,
                         cum_logprob=cum,
-                        score=cum / len(o.token_ids) ** params.length_penalty,
+                        score=cum / length_divisor(len(o.token_ids), params.length_penalty),
                         finish_reason=o.finish_reason or "length",
                         stop_reason=stop,
                     )

@@ -16,6 +16,7 @@ import torch
 from config import ConfigError, EngineConfig
 from engine.core.beam_search import BeamGroup, beam_group_for
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request_failures import RequestFailures, describe
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import Sample, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
@@ -37,7 +38,7 @@ from engine.outputs import (
 )
 from engine.pooling import PoolingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.processing.output_processor import make_output, update_text
+from engine.processing.output_processor import failed_output, make_output, update_text
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
@@ -387,13 +388,41 @@ class LLMEngine:
         if self.pooler is not None:
             return list(self._pool(out, batch.host))
         logits = self.executor.execute(batch.host)
-        self._record_prompt_logprobs(out, batch.logits_rows, logits)
-        samples = self._sample(out, batch.logits_rows, logits)
-        self.scheduler.update_from_output(out, samples, self.max_model_len)
-        outputs = self._make_outputs(out.samplers, samples)
+        # From here on the work is per request: one that raises ends alone, with an error.
+        failures = RequestFailures()
+        self._record_prompt_logprobs(out, batch.logits_rows, logits, failures)
+        samples = self._sample(out, batch.logits_rows, logits, failures)
+        self.scheduler.update_from_output(out, samples, self.max_model_len, failures)
+        outputs = self._make_outputs(out.samplers, samples, failures)
         if out.has_beam_rows:
-            outputs.extend(self._beam_step(out, batch.logits_rows, logits))
+            outputs.extend(self._beam_step(out, batch.logits_rows, logits, failures))
+        outputs.extend(self._end_failed(failures))
         self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
+        return outputs
+
+    def _end_failed(self, failures: RequestFailures) -> list[EngineOutput]:
+        """End every request that failed in this step: its sequences (a beam search's forks
+        included) leave the scheduler and free their blocks; its output says why."""
+        outputs: list[EngineOutput] = []
+        now = time.time()
+        for request_id, exc in failures.errors.items():
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.beam is not None:
+                request.beam.abort(self.scheduler, reason="error")
+            # Whatever of it the scheduler still holds, even a half-made fork.
+            held = [
+                s
+                for s in (*self.scheduler.running, *self.scheduler.waiting)
+                if s.request_id == request_id
+            ]
+            for seq in (*request.sequences, *held):
+                if not seq.is_finished:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq)
+            self._record_finish(request, now, finish_reason="error")
+            outputs.append(failed_output(request, describe(exc)))
         return outputs
 
     def _place_loras(
@@ -435,7 +464,11 @@ class LLMEngine:
         return outputs
 
     def _beam_step(
-        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
+        self,
+        out: SchedulerOutput,
+        logits_rows: list[tuple[int, int]],
+        logits: torch.Tensor,
+        failures: RequestFailures,
     ) -> list[RequestOutput]:
         """Hand each beam's last row to its group; a group with every row in takes its beam
         step; a group that is done answers with its hypotheses."""
@@ -444,13 +477,17 @@ class LLMEngine:
         for s, (first, count) in zip(out.scheduled, logits_rows):
             if not s.beam_row:  # (another request may have finished and left this step)
                 continue
+            if failures.failed(s.seq.request_id):
+                continue
             request = self.requests[s.seq.request_id]
             group = request.beam
             if group is None or not group.take_row(s.seq, logits[first + count - 1]):
                 continue
             stepped = len(group.beams)  # each live beam generated a token this step
             first = request.first_token_time is None
-            group.advance(self.scheduler)
+            failures.run(request.request_id, partial(group.advance, self.scheduler))
+            if failures.failed(request.request_id):
+                continue
             self._record_token(group.root, now)
             self._stats.generation_tokens += stepped - 1
             if group.done:
@@ -535,36 +572,67 @@ class LLMEngine:
             self.kv_events.publish(self.kv.take_events())
 
     def _sample(
-        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
-    ) -> list[Sample]:
-        """Each sampler's token from its sequence's last row (siblings share their parent's)."""
+        self,
+        out: SchedulerOutput,
+        logits_rows: list[tuple[int, int]],
+        logits: torch.Tensor,
+        failures: RequestFailures,
+    ) -> list[Sample | None]:
+        """Each sampler's token from its sequence's last row (siblings share their parent's);
+        None for a sampler whose request failed."""
         rows = [
             logits[first + count - 1]
             for s, (first, count) in zip(out.scheduled, logits_rows)
             for _ in s.samplers
         ]
-        return self.sampler(torch.stack(rows), out.samplers) if rows else []
+        if not rows:
+            return []
+        seqs = out.samplers
+        try:
+            return self.sampler.sample_or_fail(
+                torch.stack(rows), seqs, lambda i, exc: failures.add(seqs[i].request_id, exc)
+            )
+        except Exception:  # noqa: BLE001 - work shared by the rows raised: each alone says whose
+            # (before any row drew a random number: sampled again, each row draws as it would)
+            log.warning("sampling the step's rows together failed; sampling each row alone")
+            return [
+                failures.run(seq.request_id, partial(self._sample_one, row, seq))
+                for row, seq in zip(rows, seqs)
+            ]
 
-    def _make_outputs(self, seqs: list[Sequence], samples: list[Sample]) -> list[EngineOutput]:
+    def _sample_one(self, row: torch.Tensor, seq: Sequence) -> Sample:
+        return self.sampler(row.unsqueeze(0).clone(), [seq])[0]
+
+    def _make_outputs(
+        self, seqs: list[Sequence], samples: list[Sample | None], failures: RequestFailures
+    ) -> list[EngineOutput]:
         """The new text of every sequence that sampled (a stop string found in it finishes the
         sequence), then one output for each request they belong to."""
         touched: dict[str, Request] = {}
         now = time.time()
         for seq, sample in zip(seqs, samples):
-            self._record_token(seq, now)
+            if sample is None or failures.failed(seq.request_id):
+                continue
             request = self.requests[seq.request_id]
-            was_finished = seq.is_finished
-            update_text(seq, request.texts[seq.index], sample.token_id)
-            if seq.finish_reason is not None and not was_finished:
-                self.scheduler.finish(seq)
+            failures.run(request.request_id, partial(self._take_text, request, seq, sample, now))
             touched[request.request_id] = request
         outputs: list[EngineOutput] = []
         for request in touched.values():
-            outputs.append(make_output(request))
+            output = failures.run(request.request_id, partial(make_output, request))
+            if output is None:
+                continue
+            outputs.append(output)
             if request.finished:
                 self._record_finish(request, now)
                 del self.requests[request.request_id]
         return outputs
+
+    def _take_text(self, request: Request, seq: Sequence, sample: Sample, now: float) -> None:
+        self._record_token(seq, now)
+        was_finished = seq.is_finished
+        update_text(seq, request.texts[seq.index], sample.token_id)
+        if seq.finish_reason is not None and not was_finished:
+            self.scheduler.finish(seq)
 
     # ----------------------------------------------------------------- statistics
 
@@ -580,14 +648,20 @@ class LLMEngine:
             stats.inter_token_latency.append(now - seq.last_token_time)
         seq.last_token_time = now
 
-    def _record_finish(self, request: Request, now: float) -> None:
+    def _record_finish(
+        self, request: Request, now: float, finish_reason: str | None = None
+    ) -> None:
         first_token, scheduled = request.first_token_time, request.first_scheduled_time
-        finish_reason = request.sequences[0].finish_reason or "abort"
         generated = sum(seq.num_output_tokens for seq in request.sequences)
-        if request.beam is not None:
+        if finish_reason is not None:
+            pass  # the caller knows (the engine failed the request)
+        elif request.beam is not None:
             best = request.beam.finished[:1]
             aborted = request.beam.aborted or not best
             finish_reason = "abort" if aborted else best[0].finish_reason
+        else:
+            finish_reason = request.sequences[0].finish_reason or "abort"
+        if request.beam is not None:
             generated = request.beam.num_generated_tokens
         self._stats.finished.append(
             FinishedRequest(
@@ -634,18 +708,27 @@ class LLMEngine:
                 request.first_scheduled_time = now
 
     def _record_prompt_logprobs(
-        self, out: SchedulerOutput, logits_rows: list[tuple[int, int]], logits: torch.Tensor
+        self,
+        out: SchedulerOutput,
+        logits_rows: list[tuple[int, int]],
+        logits: torch.Tensor,
+        failures: RequestFailures,
     ) -> None:
-        """Row j of a chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
         for s, (first, count) in zip(out.scheduled, logits_rows):
-            seq = s.seq
-            if not seq.wants_prompt_logprobs:
-                continue
-            assert seq.prompt_logprobs is not None
-            logprobs = torch.log_softmax(logits[first : first + count], dim=-1)
-            top_n = seq.params.prompt_logprobs or 0
-            for j in range(count):
-                target = seq.num_computed_tokens + j + 1
-                if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
-                    token = seq.prompt_token_ids[target]
-                    seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))
+            if s.seq.wants_prompt_logprobs:
+                failures.run(
+                    s.seq.request_id,
+                    partial(_add_prompt_logprobs, s.seq, logits[first : first + count]),
+                )
+
+
+def _add_prompt_logprobs(seq: Sequence, rows: torch.Tensor) -> None:
+    """Row j of a chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
+    assert seq.prompt_logprobs is not None
+    logprobs = torch.log_softmax(rows, dim=-1)
+    top_n = seq.params.prompt_logprobs or 0
+    for j in range(rows.shape[0]):
+        target = seq.num_computed_tokens + j + 1
+        if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
+            token = seq.prompt_token_ids[target]
+            seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))

@@ -15,7 +15,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (the engine failed this request) | None while running
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[PositionLogprobs] | None = None
     # Streaming: what is new since the previous output of this request.
@@ -41,6 +42,8 @@ class RequestOutput:
     # Prompt tokens the prefix cache served at the request's first admission (a recompute
     # after a preemption does not change it): what the client is billed as cached.
     num_cached_tokens: int = 0
+    # Set when the engine failed this request (its completions end with "error"): why.
+    error: str | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import InvalidRequestError
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, RequestFailedError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return invalid(str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
         return engine_dead(exc)
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type="server_error")
     if isinstance(exc, ResponseStoreError):  # the server's storage, not the request, failed
         log.error("%s", exc)  # its address and cause are for the operator, not the client
         return APIError(
@@ -245,7 +247,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_engine(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
 
-    for kind in (InvalidRequestError, EngineDeadError, ResponseStoreError):
+    for kind in (InvalidRequestError, EngineDeadError, RequestFailedError, ResponseStoreError):
         app.add_exception_handler(kind, _on_engine)
 
     @app.exception_handler(Exception)

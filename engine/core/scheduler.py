@@ -23,9 +23,11 @@ import time
 from bisect import insort
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
 
 from config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request_failures import RequestFailures
 from engine.core.scheduler_output import Sample, ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stop_conditions import check_stop
@@ -239,23 +241,36 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def update_from_output(
-        self, out: SchedulerOutput, samples: list[Sample], max_model_len: int
+        self,
+        out: SchedulerOutput,
+        samples: list[Sample | None],
+        max_model_len: int,
+        failures: RequestFailures | None = None,
     ) -> None:
         """Apply a step's results: every scheduled sequence's new tokens are computed; siblings
         fork from a prompt that completed; each sampler (in `out.samplers` order, one sample
         each) takes its token, and a token that ends its sequence finishes it (its blocks go
-        back to the pool). Stop strings, found in the text, end a sequence later, by `finish`."""
+        back to the pool). Stop strings, found in the text, end a sequence later, by `finish`.
+        A request in `failures` is left as it is (the engine ends it); one that fails here
+        (its grammar refusing the token, say) joins them."""
+        failures = failures if failures is not None else RequestFailures()
         for s in out.scheduled:
+            if failures.failed(s.seq.request_id):
+                continue
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.seq.forks and s.samples_token:
                 self._fork(s.seq)
         for seq, sample in zip(out.samplers, samples, strict=True):
-            seq.append_token(sample.token_id)
-            if seq.logprobs is not None and sample.logprobs is not None:
-                seq.logprobs.append(sample.logprobs)
-            check_stop(seq, sample.token_id, max_model_len)
-            if seq.finish_reason is not None:
-                self.finish(seq)
+            if sample is not None:
+                failures.run(seq.request_id, partial(self._take, seq, sample, max_model_len))
+
+    def _take(self, seq: Sequence, sample: Sample, max_model_len: int) -> None:
+        seq.append_token(sample.token_id)
+        if seq.logprobs is not None and sample.logprobs is not None:
+            seq.logprobs.append(sample.logprobs)
+        check_stop(seq, sample.token_id, max_model_len)
+        if seq.finish_reason is not None:
+            self.finish(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the parent's siblings on its freshly computed prompt; each then samples its

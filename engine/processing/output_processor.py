@@ -79,3 +79,25 @@ def make_output(request: Request) -> RequestOutput:
         # The prompt is cached once, by the sample that runs it; its siblings fork from it.
         num_cached_tokens=request.sequences[0].num_cached_tokens,
     )
+
+
+def failed_output(request: Request, error: str) -> RequestOutput:
+    """The last output of a request the engine failed: every completion ends with "error".
+    Built from the token ids alone, since making its text may be what failed."""
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[
+            CompletionOutput(
+                index=seq.index,
+                text="",
+                token_ids=list(seq.output_token_ids),
+                finish_reason="error",
+            )
+            for seq in request.sequences
+        ],
+        finished=True,
+        num_cached_tokens=request.sequences[0].num_cached_tokens,
+        error=error,
+    )

@@ -11,6 +11,8 @@ a whole vocabulary (~600 KB) per sequence per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.core.scheduler_output import Sample
@@ -139,6 +141,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         """One token per row; row i belongs to seqs[i]. Rows under a grammar are masked in
         place (`logits` is the step's own stack of rows)."""
+        return [s for s in self.sample_or_fail(logits, seqs, None) if s is not None]
+
+    def sample_or_fail(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        on_error: Callable[[int, Exception], None] | None,
+    ) -> list[Sample | None]:
+        """As `__call__`, except that with `on_error`, a row whose own sampling raises is
+        reported there and gets None, while the other rows are sampled as they would have been
+        (each seeded row's draws unchanged); without it, the row's exception is raised."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -147,16 +160,32 @@ class Sampler:
         # indices: the first maximum, as argmax; 16 rows of 49,152: 0.17 ms, one argmax a row 1 ms).
         # The other rows overwrite theirs on the device; then one transfer brings all to the host.
         tokens = logits.max(dim=-1).indices
+        failed: set[int] = set()
+
+        def fail(i: int, exc: Exception) -> None:
+            if on_error is None:
+                raise exc
+            on_error(i, exc)
+            failed.add(i)
+
+        # Past this point every piece of work is one row's, and a failure is that row's alone:
+        # work shared by the rows, which no row's draw has yet followed, is all above.
         for i, seq in enumerate(seqs):
-            if not takes_argmax(seq):
-                tokens[i : i + 1] = self._sample_row(logits[i], seq)
-        samples = []
+            try:
+                if not takes_argmax(seq):
+                    tokens[i : i + 1] = self._sample_row(logits[i], seq)
+            except Exception as exc:  # noqa: BLE001 - handed to on_error, or raised
+                fail(i, exc)
+        samples: list[Sample | None] = []
         for i, token in enumerate(tokens.tolist()):
             seq = seqs[i]
             lp = None
-            if raw_logprobs is not None and seq.params.logprobs is not None:
-                lp = position_logprobs(raw_logprobs[i], token, seq.params.logprobs)
-            samples.append(Sample(token, lp))
+            if i not in failed and raw_logprobs is not None and seq.params.logprobs is not None:
+                try:
+                    lp = position_logprobs(raw_logprobs[i], token, seq.params.logprobs)
+                except Exception as exc:  # noqa: BLE001 - handed to on_error, or raised
+                    fail(i, exc)
+            samples.append(None if i in failed else Sample(token, lp))
         return samples
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:

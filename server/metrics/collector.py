@@ -83,7 +83,7 @@ REQUEST_LATENCY_BUCKETS = [
     7680.0,
 ]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine failed the request
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
 # Why a running sequence was preempted: the pool had no block for it, or a more urgent waiting
 # request needed its place (--scheduling-policy priority).

@@ -13,7 +13,7 @@ import pytest
 from config import EngineConfig
 from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.client import EngineDeadError, EngineRequest
+from engine.client import EngineDeadError, EngineRequest, RequestFailedError
 from engine.errors import ModelLoadError
 from engine.stats import EngineStats
 from tests.support.models import finish_all
@@ -246,3 +246,44 @@ def test_waiting_for_the_engine_thread_counts_as_queue_time(llama_dir: Path) -> 
     assert ttfts[0] >= held
     assert finished[0].queue_time is not None and finished[0].queue_time >= held
     assert finished[0].e2e_latency >= held
+
+
+def test_a_request_that_cannot_be_added_fails_alone(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected error while the engine thread adds one request (not a 400 the checks
+    knew of) fails that request's stream, not the engine thread."""
+    engine = start_engine(**_settings(llama_dir))
+    add = LLMEngine.add_request
+
+    def add_or_fail(self: LLMEngine, prompt: object, *args: object, **kwargs: object) -> str:
+        if kwargs.get("prompt_token_ids") == PROMPTS[0]:
+            raise KeyError("injected")
+        return add(self, prompt, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_or_fail)
+    try:
+        with pytest.raises(RequestFailedError, match="KeyError"):
+            asyncio.run(_collect(engine, PROMPTS[0], GREEDY, "bad"))
+        outputs = asyncio.run(_collect(engine, PROMPTS[1], GREEDY, "good"))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
+        assert engine.is_alive
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_stats_observer_does_not_stop_the_engine(llama_dir: Path) -> None:
+    engine = start_engine(**_settings(llama_dir))
+    calls = []
+
+    def broken(stats: EngineStats) -> None:
+        calls.append(stats)
+        raise ValueError("a metrics bug")
+
+    engine.on_stats = broken
+    try:
+        outputs = asyncio.run(_collect(engine, PROMPTS[1], GREEDY, "r"))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
+        assert calls and engine.is_alive
+    finally:
+        engine.shutdown()

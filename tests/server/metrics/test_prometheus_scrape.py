@@ -381,7 +381,7 @@ def test_vllm_names_and_labels_for_vllm_dashboards(
                     assert sample.value == 1
                 elif family.name.startswith(("vllm:", "pagedserve:")):
                     assert labels == SERIES_LABELS, (sample.name, sample.labels)
-        assert reasons == {"stop", "length", "abort"}
+        assert reasons == {"stop", "length", "abort", "error"}
         bounds = {
             family.name: [s.labels["le"] for s in family.samples if s.name.endswith("_bucket")]
             for family in families
