@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -135,3 +136,28 @@ def test_chat_stream_with_beams_is_a_400(client: openai.OpenAI) -> None:
             extra_body={"use_beam_search": True},
         )
     assert info.value.body["param"] == "stream"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("length_penalty", [1000, -1000, 1e300])
+def test_an_extreme_length_penalty_is_a_400_and_the_server_lives(
+    server: RunningServer, client: openai.OpenAI, length_penalty: float
+) -> None:
+    """This request once overflowed `length ** length_penalty` in the engine thread and took
+    the process down. The API bounds the penalty; the engine's own ranking no longer overflows
+    either (tests/engine/test_beam_search.py)."""
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6, 7, 8],
+        "use_beam_search": True,
+        "temperature": 0,
+        "n": 2,
+        "max_tokens": 6,
+        "length_penalty": length_penalty,
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/completions", body=body, cast_to=object)
+    assert info.value.body["param"] == "length_penalty"  # type: ignore[index]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    body["length_penalty"] = 1.0  # the same search, served
+    answer: Any = client.post("/completions", body=body, cast_to=object)
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
