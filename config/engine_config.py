@@ -269,6 +269,12 @@ class LoRAConfig(_Strict):
         ge=1,
         description="adapters kept read on the host for reloading into a slot (default: --max-loras)",
     )
+    lora_load_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a run-time adapter load may spend reading and checking its files "
+        "(off the engine thread); past it that load fails with a 400 and serving goes on",
+    )
 
     @model_validator(mode="after")
     def _cpu_holds_slots(self) -> LoRAConfig:

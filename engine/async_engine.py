@@ -31,7 +31,9 @@ from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import CheckedRequest, LLMEngine
-from engine.lora import LoRARequest
+from engine.lora import LoRALoadError, LoRARequest
+from engine.lora.read_threads import ReadThreads
+from engine.lora.slots import PlacedAdapter
 from engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from engine.stats import EngineStats
 from engine.structured import StructuredOutputsParams
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 STOP_POLL_SECONDS = 0.1  # how soon a request waiting on a grammar compile sees a shutdown
 COMPILE_THREADS = 2  # grammar compiles at once; more wait their turn, within their timeout
+LORA_READ_THREADS = 2  # adapter reads at once; more wait their turn, within their timeout
 
 
 @dataclass
@@ -106,6 +109,8 @@ class AsyncEngine:
         # Grammar compiles, off the event loop and the engine thread; daemon threads, so that
         # an abandoned compile never holds the process up (concurrent.futures' are joined).
         self._compiles = DaemonThreadPool(COMPILE_THREADS, "pagedserve-grammar")
+        # Adapter reads at run time, off the engine thread (see engine/lora/read_threads.py).
+        self._lora_reads = ReadThreads(LORA_READ_THREADS, "pagedserve-lora-read")
         self.thread = thread
         self._go = (
             threading.Event()
@@ -223,7 +228,36 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id))
 
     async def add_lora(self, request: LoRARequest) -> None:
-        await self._call(lambda engine: engine.add_lora(request))
+        """Read and check the adapter's files on a thread of their own, then hand what was read
+        to the engine thread, which only keeps it: the engine thread never waits on a file, so
+        a slow or hostile folder fails its own load (LoRALoadError, a 400) while every request
+        goes on."""
+        prepared = await self._read_lora(request)
+        await self._call(lambda engine: engine.add_lora(request, prepared))
+
+    async def _read_lora(self, request: LoRARequest) -> PlacedAdapter:
+        """The adapter read within --lora-load-timeout, waiting for a read thread included. A
+        read past it is abandoned: its load fails at once, and what the read returns, when it
+        does, is dropped (nothing is kept until the engine thread is handed it)."""
+        timeout = self.engine.config.lora.lora_load_timeout
+        deadline = time.monotonic() + timeout
+        reading = asyncio.get_running_loop().run_in_executor(
+            self._lora_reads, self.engine.prepare_lora, request
+        )
+        try:
+            while not reading.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoRALoadError(
+                        f"LoRA adapter {request.lora_path!r}: reading it timed out after "
+                        f"{timeout:g} s (--lora-load-timeout)"
+                    )
+                await asyncio.wait({reading}, timeout=min(left, STOP_POLL_SECONDS))
+                if self._stopping.is_set() and not reading.done():
+                    raise EngineDeadError("the engine has shut down")
+            return reading.result()
+        finally:
+            reading.cancel()  # a read still waiting for a thread never starts
 
     async def remove_lora(self, request: LoRARequest) -> None:
         await self._call(lambda engine: engine.remove_lora(request))

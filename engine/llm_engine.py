@@ -29,6 +29,7 @@ from engine.loading.resolve import load_tokenizer
 from engine.lora.assignment import SlotAssignment
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
+from engine.lora.slots import PlacedAdapter
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -265,12 +266,21 @@ class LLMEngine:
         self.scheduler.add(sequences[0])
         return request_id
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Read and check an adapter now, so that a bad one fails here and not inside a step
-        (LoRALoadError); a checked one is kept on the host, up to --max-cpu-loras."""
+    def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
+        """Read and check an adapter's files without keeping it (LoRALoadError): it touches no
+        state a step changes, so it runs on any thread, and the engine's thread need never wait
+        on a file (AsyncEngine.add_lora runs it on a thread of its own, then `add_lora`)."""
         if self.loras is None:
             raise InvalidRequestError("LoRA adapters need --enable-lora", param="model")
-        self.executor.read_lora(request)
+        return self.executor.prepare_lora(request)
+
+    def add_lora(self, request: LoRARequest, prepared: PlacedAdapter | None = None) -> None:
+        """Read and check an adapter now, so that a bad one fails here and not inside a step
+        (LoRALoadError); a checked one is kept on the host, up to --max-cpu-loras. `prepared`:
+        what `prepare_lora` read, kept without reading the files again."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need --enable-lora", param="model")
+        self.executor.read_lora(request, prepared)
         self._unloading.discard(request)  # served again: no longer to be dropped
 
     def remove_lora(self, request: LoRARequest) -> None:

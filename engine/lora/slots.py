@@ -5,7 +5,9 @@ layers, by part), and each rank keeps its slice: B's rows of a column-parallel l
 output features it computes), A's columns of a row-parallel one (the input features it sees).
 
 Checkpoints read are kept on the host, up to `max_cpu_loras`, so that an adapter evicted from
-its slot comes back without reading its files again.
+its slot comes back without reading its files again. Reading and slicing (`prepare`) touch only
+the files and the layers' shapes, fixed at start-up, so they may run on any thread; keeping
+(`keep`) and loading into a slot belong to the thread that runs the model.
 """
 
 from __future__ import annotations
@@ -98,9 +100,19 @@ class LoRASlots:
         if placed is not None:
             self.cache.move_to_end(request)
             return placed
+        return self.keep(request, self.prepare(request))
+
+    def prepare(self, request: LoRARequest) -> PlacedAdapter:
+        """The adapter read from its folder, checked and sliced for this rank's layers, and not
+        kept: safe on any thread (LoRALoadError if it cannot be served)."""
         checkpoint = read_checkpoint(request.lora_path, self.step.rank, self.max_weights_bytes)
-        placed = self._place(request, checkpoint)
+        return self._place(request, checkpoint)
+
+    def keep(self, request: LoRARequest, placed: PlacedAdapter) -> PlacedAdapter:
+        """Keep a prepared adapter on the host for its slot, the oldest one beyond
+        `max_cpu_loras` dropped."""
         self.cache[request] = placed
+        self.cache.move_to_end(request)
         while len(self.cache) > self.max_cpu_loras:
             self.cache.popitem(last=False)
         return placed

@@ -31,6 +31,7 @@ from engine.errors import ModelLoadError
 from engine.loading.model_spec import ModelSpec
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
+from engine.lora.slots import PlacedAdapter
 from engine.worker.model_input import HostBatch
 from engine.worker.model_runner import build_runner
 from engine.worker.tp_worker import (
@@ -74,8 +75,11 @@ class LocalExecutor:
     def embed(self, batch: HostBatch) -> torch.Tensor:
         return self.runner.embed(batch)
 
-    def read_lora(self, request: LoRARequest) -> None:
-        self.runner.read_lora(request)
+    def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
+        return self.runner.prepare_lora(request)
+
+    def read_lora(self, request: LoRARequest, prepared: PlacedAdapter | None = None) -> None:
+        self.runner.read_lora(request, prepared)
 
     def load_lora(self, slot: int, request: LoRARequest) -> None:
         self.runner.load_lora(slot, request)
@@ -268,10 +272,16 @@ class TensorParallelExecutor:
         if refusals:
             raise LoRALoadError("; ".join(refusals))
 
-    def read_lora(self, request: LoRARequest) -> None:
+    def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
+        """Rank 0's slice, read and checked (on any thread): see ModelRunner.prepare_lora."""
+        return self.runner.prepare_lora(request)
+
+    def read_lora(self, request: LoRARequest, prepared: PlacedAdapter | None = None) -> None:
         """Every rank reads and keeps its slice now, when the adapter is added, so that a folder
-        changed or removed later cannot fail one rank on first use."""
-        self.runner.read_lora(request)  # first: a bad adapter raises before any worker
+        changed or removed later cannot fail one rank on first use. `prepared`: rank 0's slice,
+        already read; the workers read their own from the folder (as files/read_regular_file
+        reads them: no path can make a worker, and rank 0 waiting on it, hang)."""
+        self.runner.read_lora(request, prepared)  # first: a bad adapter raises before any worker
         try:
             self._ask(lora_message(READ_LORA, request))
         except LoRALoadError:

@@ -17,7 +17,7 @@ from engine.distributed.shard import Shard
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import ModelSpec
 from engine.lora.request import LoRARequest
-from engine.lora.slots import LoRASlots
+from engine.lora.slots import LoRASlots, PlacedAdapter
 from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.pooling import pool
@@ -136,11 +136,20 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
-    def read_lora(self, request: LoRARequest) -> None:
+    def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
+        """Read, check and slice an adapter for this rank without keeping it (LoRALoadError if
+        it cannot be served): it touches no state that a step changes, so any thread may."""
+        assert self.lora is not None, "prepare_lora() without --enable-lora"
+        return self.lora.prepare(request)
+
+    def read_lora(self, request: LoRARequest, prepared: PlacedAdapter | None = None) -> None:
         """Read and check an adapter for this rank (LoRALoadError if it cannot be served),
-        kept on the host for a slot."""
+        kept on the host for a slot; `prepared`: what `prepare_lora` made of it, kept as is."""
         assert self.lora is not None, "read_lora() without --enable-lora"
-        self.lora.read(request)
+        if prepared is None:
+            self.lora.read(request)
+        else:
+            self.lora.keep(request, prepared)
 
     @torch.inference_mode()
     def load_lora(self, slot: int, request: LoRARequest) -> None:

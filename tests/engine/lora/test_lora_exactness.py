@@ -104,7 +104,9 @@ def test_generate_reads_each_adapter_once(llm, adapters, prompts, references, mo
     """One read per adapter of the call (before any prompt is queued), not one per prompt."""
     reads = []
     read = llm.engine.executor.read_lora
-    monkeypatch.setattr(llm.engine.executor, "read_lora", lambda r: reads.append(r) or read(r))
+    monkeypatch.setattr(
+        llm.engine.executor, "read_lora", lambda r, *kept: reads.append(r) or read(r, *kept)
+    )
     outputs = llm.generate(prompts * 2, GREEDY, lora_request=adapters["a"])
     assert _tokens(outputs) == references["a"] * 2
     assert reads == [adapters["a"]]
