@@ -43,7 +43,8 @@ from engine.processing.output_processor import failed_output, make_output, updat
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats, FinishedRequest
+from engine.stats import EngineStats
+from engine.stats_recorder import StatsRecorder
 from engine.structured import GrammarCompiler, GrammarState
 from engine.worker.executor import LocalExecutor, TensorParallelExecutor
 from engine.worker.kv_sizing import (
@@ -172,7 +173,7 @@ class LLMEngine:
         self.sampler = Sampler(config.model.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._stats = EngineStats()
+        self._recorder = StatsRecorder()
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
 
     # ----------------------------------------------------------------- requests in
@@ -301,7 +302,7 @@ class LLMEngine:
             self._unloading.discard(request)
             self.loras.drop(request)
             self.executor.forget_lora(request)
-            self._stats.unloaded_loras.append(request.lora_name)
+            self._recorder.unloaded_adapter(request.lora_name)
 
     def add_pooling_request(
         self,
@@ -345,13 +346,13 @@ class LLMEngine:
             return None
         if request.beam is not None:  # the hypotheses finished so far, if any
             request.beam.abort(self.scheduler)
-            self._record_finish(request, time.time())
+            self._recorder.finished(request, time.time())
             return self._beam_output(request, request.beam)
         for seq in request.sequences:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        self._record_finish(request, time.time())
+        self._recorder.finished(request, time.time())
         self._finish_unloads()
         if request.sequences[0].pooling is not None:
             return PoolingRequestOutput(request_id, request.prompt_token_ids, None)
@@ -392,7 +393,9 @@ class LLMEngine:
             if broken is not None:
                 return self._drop_adapter(broken, out)
             slot_of = lambda seq: loras.slot_of(seq.lora)  # noqa: E731
-        self._record_scheduled(out)
+        self._recorder.scheduled(
+            [self.requests[s.seq.request_id] for s in out.scheduled], out.num_tokens, time.time()
+        )
         self.step_shape = (len(out.scheduled), out.num_tokens)
         batch = build_step_batch(out, self.block_size, slot_of)
         if self.pooler is not None:
@@ -431,7 +434,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "error"
                     self.scheduler.finish(seq)
-            self._record_finish(request, now, finish_reason="error")
+            self._recorder.finished(request, now, finish_reason="error")
             outputs.append(failed_output(request, describe(exc)))
         return outputs
 
@@ -498,11 +501,10 @@ class LLMEngine:
             failures.run(request.request_id, partial(group.advance, self.scheduler))
             if failures.failed(request.request_id):
                 continue
-            self._record_token(group.root, now)
-            self._stats.generation_tokens += stepped - 1
+            self._recorder.token(request, group.root, now, count=stepped)
             if group.done:
                 outputs.append(self._beam_output(request, group))
-                self._record_finish(request, now)
+                self._recorder.finished(request, now)
                 del self.requests[request.request_id]
             elif first:
                 # A search answers only at its end, but it has started: say so with an output
@@ -561,10 +563,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)
-            request.first_token_time = now  # its only result: what TTFT is to a generation
-            self._stats.prompt_tokens += seq.num_prompt_tokens
-            self._stats.time_to_first_token.append(now - request.arrival_time)
-            self._record_finish(request, now)
+            self._recorder.pooled(request, now)
+            self._recorder.finished(request, now)
             dims = seq.pooling.dimensions
             if dims is not None:  # a Matryoshka prefix, itself normalized as the whole was
                 embedding = embedding[:dims]
@@ -633,12 +633,12 @@ class LLMEngine:
                 continue
             outputs.append(output)
             if request.finished:
-                self._record_finish(request, now)
+                self._recorder.finished(request, now)
                 del self.requests[request.request_id]
         return outputs
 
     def _take_text(self, request: Request, seq: Sequence, sample: Sample, now: float) -> None:
-        self._record_token(seq, now)
+        self._recorder.token(request, seq, now)
         was_finished = seq.is_finished
         update_text(seq, request.texts[seq.index], sample.token_id)
         if seq.finish_reason is not None and not was_finished:
@@ -646,52 +646,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- statistics
 
-    def _record_token(self, seq: Sequence, now: float) -> None:
-        stats = self._stats
-        request = self.requests[seq.request_id]
-        stats.generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-            stats.time_to_first_token.append(now - request.arrival_time)
-            stats.prompt_tokens += len(request.prompt_token_ids)
-        elif seq.last_token_time is not None:  # a fork's first token is not a gap
-            stats.inter_token_latency.append(now - seq.last_token_time)
-        seq.last_token_time = now
-
-    def _record_finish(
-        self, request: Request, now: float, finish_reason: str | None = None
-    ) -> None:
-        first_token, scheduled = request.first_token_time, request.first_scheduled_time
-        generated = sum(seq.num_output_tokens for seq in request.sequences)
-        if finish_reason is not None:
-            pass  # the caller knows (the engine failed the request)
-        elif request.beam is not None:
-            best = request.beam.finished[:1]
-            aborted = request.beam.aborted or not best
-            finish_reason = "abort" if aborted else best[0].finish_reason
-        else:
-            finish_reason = request.sequences[0].finish_reason or "abort"
-        if request.beam is not None:
-            generated = request.beam.num_generated_tokens
-        self._stats.finished.append(
-            FinishedRequest(
-                finish_reason=finish_reason,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_generation_tokens=generated,
-                e2e_latency=now - request.arrival_time,
-                queue_time=None if scheduled is None else scheduled - request.arrival_time,
-                prefill_time=None
-                if first_token is None or scheduled is None
-                else first_token - scheduled,
-                decode_time=None if first_token is None else now - first_token,
-                kv_wait_time=request.sequences[0].kv_wait_until(now),
-                lora_name=lora.lora_name if (lora := request.sequences[0].lora) else None,
-            )
-        )
-
     def take_stats(self) -> EngineStats:
         """What happened since the previous call, with the running/waiting/KV state now."""
-        stats, self._stats = self._stats, EngineStats()
+        stats = self._recorder.take()
         scheduler = self.scheduler
         counters = scheduler.take_counters()
         stats.num_preemptions = counters.num_preemptions
@@ -708,14 +665,6 @@ class LLMEngine:
             stats.running_loras = _adapter_names(scheduler.running)
             stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
-
-    def _record_scheduled(self, out: SchedulerOutput) -> None:
-        now = time.time()
-        self._stats.iteration_tokens.append(out.num_tokens)
-        for s in out.scheduled:
-            request = self.requests[s.seq.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
 
     def _record_prompt_logprobs(
         self,
