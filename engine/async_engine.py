@@ -345,7 +345,7 @@ class AsyncEngine:
         stats = self.engine.take_stats()
         try:
             self.on_stats(stats)
-        except Exception:  # noqa: BLE001 - an observer's failure must not stop the serving
+        except Exception:  # an observer's failure must not stop the serving
             log.exception("recording the engine's statistics failed; serving goes on")
 
     def _close(self, reason: EngineDeadError) -> None:
@@ -414,7 +414,7 @@ class AsyncEngine:
         except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)
             return
-        except Exception as exc:  # noqa: BLE001 - a request that cannot enter fails alone
+        except Exception as exc:  # a request that cannot enter fails alone
             log.error("request %s could not be added", request.request_id, exc_info=exc)
             item.sink.send(RequestFailedError(describe(exc)))
             return
