@@ -100,6 +100,13 @@ class ServerConfig(_Strict):
         description="most tokens one completion may ask for (default: what the context leaves)",
     )
     max_n: int = Field(128, ge=1, description="most completions one request may ask for (n)")
+    max_prompts_per_request: int = Field(
+        2048,
+        ge=1,
+        description="most completions one /v1/completions (or /v1/completions/render) request "
+        "may ask for, its prompts times n (OpenAI's limit on a prompt array: 2048); a render "
+        "answer may also take at most 4 times --max-body-bytes",
+    )
     max_embedding_inputs: int = Field(
         2048,
         ge=1,

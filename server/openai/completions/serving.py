@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -12,6 +13,7 @@ from typing import cast
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from config import ServerConfig
 from engine import RequestOutput, SamplingParams
 from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
@@ -44,11 +46,34 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(cast(list[str] | list[list[int]], prompt))
 
 
+def check_prompt_count(config: ServerConfig, prompts: int, n: int) -> None:
+    """Each prompt costs tokenizing, checks and an engine request, each of its n samples a
+    sequence and a choice: a request asks for at most --max-prompts-per-request of them, checked
+    before any of that work is done."""
+    limit = config.max_prompts_per_request
+    if prompts * n <= limit:
+        return
+    if n == 1 or prompts > limit:
+        raise invalid(
+            f"the request holds {prompts} prompts, more than this server's limit of {limit} "
+            "(--max-prompts-per-request)",
+            "prompt",
+        )
+    raise invalid(
+        f"{prompts} prompts with n={n} ask for {prompts * n} completions, more than this "
+        f"server's limit of {limit} (--max-prompts-per-request counts each prompt n times)",
+        "n",
+    )
+
+
 async def prepare_completion(
     state: ServerState, req: CompletionRequest, response_id: str
 ) -> list[PreparedPrompt]:
-    req.check()
     raw = _split_prompts(req.prompt)
+    check_prompt_count(state.config, len(raw), req.n)
+    req.check()
+    # A body of many prompts is a long walk: off the event loop, like the tokenizing below.
+    await state.off_loop(check_unicode, req)
     if not raw:
         raise invalid("the prompt must not be empty", "prompt")
     prompts = []
@@ -74,6 +99,7 @@ async def prepare_completion(
             prompt_logprobs=logprobs if req.echo else None,
             structured=structured,
         )
+        await asyncio.sleep(0)  # one prompt's checks at a time: other requests run between
     # Every prompt submitted (checked, its grammar compiled) before any is queued.
     lora = state.lora_for(req.model)  # once: every prompt runs under the same adapter
     for i, p in enumerate(prompts):
@@ -90,6 +116,7 @@ async def prepare_completion(
             ),
             constraint_param,
         )
+        await asyncio.sleep(0)  # (a submit without a grammar to compile never yields by itself)
     return prompts
 
 
@@ -97,7 +124,6 @@ async def create_completion(
     state: ServerState, req: CompletionRequest, request: Request
 ) -> Completion | StreamingResponse:
     model = state.resolve_model(req.model)
-    check_unicode(req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await prepare_completion(state, req, response_id)
     created = int(time.time())
