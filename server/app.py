@@ -221,8 +221,9 @@ def create_app(
         log_ignored_fields(req)
         return await render_chat_request(state, req)
 
-    @app.post("/v1/completions/render")
-    async def completions_render(req: CompletionRequest) -> list[RenderedRequest]:
+    # (Its answer is built as JSON bytes off the event loop: `response_model` only documents it.)
+    @app.post("/v1/completions/render", response_model=list[RenderedRequest])
+    async def completions_render(req: CompletionRequest) -> Response:
         log_ignored_fields(req)
         return await render_completion_request(state, req)
 

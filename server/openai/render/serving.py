@@ -5,9 +5,13 @@ closing the unread stream leaves the engine untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
+from fastapi import Response
+
 from engine import SamplingParams
+from server.errors import APIError
 from server.openai.chat.protocol import ChatCompletionRequest
 from server.openai.chat.serving import prepare_chat
 from server.openai.completions.protocol import CompletionRequest
@@ -44,15 +48,47 @@ async def render_chat_request(state: ServerState, req: ChatCompletionRequest) ->
     return _rendered(request_id, prepared.prompt_ids, prepared.params, model, req)
 
 
-async def render_completion_request(
-    state: ServerState, req: CompletionRequest
-) -> list[RenderedRequest]:
+# What a render answer may take: the token ids of a body's text need more bytes than the text
+# (up to 7 a token: "49151,"), and each prompt carries its sampling parameters (~0.7 KB), so a
+# body of natural text within --max-body-bytes renders to well under this; a body whose answer
+# would not is refused, not serialized.
+RESPONSE_BODY_FACTOR = 4
+
+
+def _json_array(rendered: list[RenderedRequest], limit: int) -> bytes:
+    """The answer as JSON bytes, built item by item (in a worker thread: a large one takes
+    seconds of the interpreter) and refused as soon as it outgrows `limit`."""
+    parts, size = [], 2
+    for item in rendered:
+        part = item.model_dump_json().encode()
+        size += len(part) + 1
+        if size > limit:
+            raise APIError(
+                400,
+                f"the rendered requests take more than this server's limit of {limit} bytes "
+                f"({RESPONSE_BODY_FACTOR} x --max-body-bytes): send fewer or shorter prompts",
+                param="prompt",
+                code="response_too_large",
+            )
+        parts.append(part)
+    return b"[" + b",".join(parts) + b"]"
+
+
+async def render_completion_request(state: ServerState, req: CompletionRequest) -> Response:
     model = state.resolve_model(req.model)
-    check_unicode(req)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await prepare_completion(state, req, response_id)
-    rendered = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         await p.outputs.aclose()
-        rendered.append(_rendered(f"{response_id}-{i}", p.token_ids, p.params, model, req))
-    return rendered
+    limit = RESPONSE_BODY_FACTOR * state.config.max_body_bytes
+
+    def answer() -> bytes:
+        rendered = [
+            _rendered(f"{response_id}-{i}", p.token_ids, p.params, model, req)
+            for i, p in enumerate(prompts)
+        ]
+        return _json_array(rendered, limit)
+
+    # Not the tokenizer's thread: other requests' tokenizing need not wait for this.
+    body = await asyncio.to_thread(answer)
+    return Response(body, media_type="application/json")

@@ -1,9 +1,11 @@
 """How much one /v1/completions or /v1/completions/render request may ask for, over real HTTP
 on the default model: its prompts times n within --max-prompts-per-request, refused alike by
-both routes before any prompt is prepared."""
+both routes before any prompt is prepared; a render's answer within 4 x --max-body-bytes; and a
+render at the limit answered while /health stays answered."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -15,12 +17,25 @@ from tests.support.server_harness import RunningServer, assert_openai_error, wai
 MODEL = "SmolLM2-135M-Instruct"
 ROUTES = ["/v1/completions", "/v1/completions/render"]
 LIMIT = 8  # the limited server's --max-prompts-per-request
+SMALL_BODY = 1024  # the small server's --max-body-bytes: its render answers take at most 4 KiB
+# A /health that takes longer than this is an event loop held by one request (on this machine
+# it answers in a fraction of a second while the big render below runs).
+HEALTH_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
 def limited(default_engine: Any) -> Any:
     running = RunningServer(
         default_engine, ServerConfig(served_model_name=[MODEL], max_prompts_per_request=LIMIT)
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def small_body(default_engine: Any) -> Any:
+    running = RunningServer(
+        default_engine, ServerConfig(served_model_name=[MODEL], max_body_bytes=SMALL_BODY)
     )
     yield running
     running.stop()
@@ -80,3 +95,54 @@ def test_prompts_times_n_count_against_the_limit(limited: RunningServer) -> None
         "4 prompts with n=3 ask for 12 completions, more than this server's limit of 8"
     )
     wait_until_idle(limited.engine)
+
+
+def test_a_render_answer_larger_than_its_limit_is_refused(small_body: RunningServer) -> None:
+    """Each rendered prompt carries its sampling parameters: a few one-token prompts fit the
+    small server's 4 KiB of answer, enough of them (in a body of a few bytes) do not."""
+    one = post(small_body, "/v1/completions/render", {"prompt": [[1]], "max_tokens": 1})
+    assert one.status_code == 200, one.text
+    item = len(one.content)
+    fits = post(small_body, "/v1/completions/render", {"prompt": [[1]] * 2, "max_tokens": 1})
+    assert fits.status_code == 200 and len(fits.json()) == 2
+    too_many = 4 * SMALL_BODY // item + 2
+    refused = post(small_body, "/v1/completions/render", {"prompt": [[1]] * too_many})
+    assert refused.status_code == 400, refused.text[:300]
+    error = assert_openai_error(refused.json())
+    assert (error["param"], error["code"]) == ("prompt", "response_too_large")
+    assert f"limit of {4 * SMALL_BODY} bytes (4 x --max-body-bytes)" in error["message"]
+
+
+def test_health_answers_while_a_render_at_the_limit_runs(server: RunningServer) -> None:
+    """2048 prompts of 1900 token ids (a 7.8 MB body, within the 8 MiB limit): every prompt's
+    checks and the 9 MB answer once held the event loop for seconds; now /health is answered
+    all along, and the render still answers every prompt."""
+    prompts = [[(i + j) % 9 + 1 for j in range(1900)] for i in range(2048)]
+    result: dict[str, httpx.Response] = {}
+
+    def render() -> None:
+        result["render"] = post(
+            server, "/v1/completions/render", {"prompt": prompts, "max_tokens": 1}
+        )
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    answered = 0
+    try:
+        with httpx.Client(base_url=server.url, timeout=HEALTH_TIMEOUT) as health:
+            while thread.is_alive():
+                try:
+                    status = health.get("/health").status_code
+                except httpx.TimeoutException:
+                    pytest.fail(
+                        f"/health got no answer within {HEALTH_TIMEOUT} s during the render"
+                    )
+                assert status == 200
+                answered += 1
+    finally:
+        thread.join(120)
+    response = result["render"]
+    assert response.status_code == 200, response.text[:300]
+    rendered = response.json()
+    assert [r["token_ids"] for r in rendered] == prompts
+    assert answered >= 3  # the probes ran while the render did
