@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.openai.protocol import INT64_MAX, Int, Text, _Request
+from server.openai.protocol import INT64_MAX, Int, StopList, Text, _Request
 
 Blocks = list[dict[str, Any]]
 
@@ -65,7 +65,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: Int | None = Field(None, ge=0, le=INT64_MAX)
-    stop_sequences: list[Text] | None = None
+    stop_sequences: StopList | None = None  # the chat route's limit, checked under this name
     stream: bool = False
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None

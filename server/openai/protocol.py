@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from engine import InvalidRequestError, RequestOutput
 from engine.structured import StructuredOutputsParams
@@ -56,7 +57,24 @@ def _encodable(text: str) -> str:
 
 # Text the server tokenizes, renders or sends back.
 Text = Annotated[str, AfterValidator(_encodable)]
-StopList = Annotated[list[Text], Field(max_length=4)]
+MAX_STOP = 4  # OpenAI's limit on `stop`
+
+
+def _few_stops(stops: list[str]) -> list[str]:
+    # Said in words of the field, not as pydantic's "List should have at most 4 items after
+    # validation", nor (in a union with a single string) as the string member's type error.
+    if len(stops) > MAX_STOP:
+        raise PydanticCustomError(
+            "too_long",
+            "at most {limit} stop sequences, got {count}",
+            {"limit": MAX_STOP, "count": len(stops)},
+        )
+    return stops
+
+
+StopList = Annotated[
+    list[Text], AfterValidator(_few_stops), Field(json_schema_extra={"maxItems": MAX_STOP})
+]
 
 
 class _Request(BaseModel):

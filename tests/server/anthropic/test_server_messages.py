@@ -338,6 +338,18 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(
     assert anthropic_error(response, 400, "invalid_request_error").startswith(named)
 
 
+HI = {"role": "user", "content": "hi"}
+
+
+def test_too_many_stop_sequences_are_refused_in_words(server: RunningServer) -> None:
+    body = {"model": MODEL, "max_tokens": 8, "messages": [HI], "stop_sequences": list("abcde")}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    message = anthropic_error(response, 400, "invalid_request_error")
+    assert message == "stop_sequences: at most 4 stop sequences, got 5"
+    four = {**body, "stop_sequences": list("abcd")}
+    assert httpx.post(f"{server.url}/v1/messages", json=four, timeout=60).status_code == 200
+
+
 def test_the_sdk_raises_its_own_classes(claude: Any) -> None:
     import anthropic
 

@@ -158,7 +158,12 @@ OUT_OF_RANGE = [
         "top_logprobs",
         ("requires logprobs",),
     ),
-    *both("stop-five-strings", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4", "not 5"),
+    *both(
+        "stop-five-strings",
+        {"stop": ["a", "b", "c", "d", "e"]},
+        "stop",
+        "stop: at most 4 stop sequences, got 5",
+    ),
     *both("presence_penalty-high", {"presence_penalty": 2.5}, "presence_penalty", "2.5"),
     *both("presence_penalty-low", {"presence_penalty": -2.5}, "presence_penalty", "-2.5"),
     *both("frequency_penalty-high", {"frequency_penalty": 2.5}, "frequency_penalty", "2.5"),
