@@ -45,6 +45,15 @@ def _parse(model: type[_Request], block: dict[str, Any], where: str) -> Any:
         raise invalid(f"{path}: {first['msg']}", path) from None
 
 
+def _text(block: dict[str, Any], where: str) -> str:
+    """A text block's text. Anthropic refuses an empty one wherever it stands (a final
+    assistant message included: an empty prefill is no content, not an empty block)."""
+    text: str = _parse(TextIn, block, where).text
+    if not text:
+        raise invalid("text content blocks must be non-empty", f"{where}.text")
+    return text
+
+
 def _unsupported(kind: object, where: str) -> Exception:
     return invalid(f"content blocks of type {kind!r} are not supported here", f"{where}.type")
 
@@ -55,7 +64,7 @@ def _texts(blocks: list[dict[str, Any]], where: str) -> str:
     for j, block in enumerate(blocks):
         if block.get("type") != "text":
             raise _unsupported(block.get("type"), f"{where}.{j}")
-        parts.append(_parse(TextIn, block, f"{where}.{j}").text)
+        parts.append(_text(block, f"{where}.{j}"))
     return "\n".join(parts)
 
 
@@ -66,7 +75,7 @@ def _user(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(content):
         kind, at = block.get("type"), f"{where}.{j}"
         if kind == "text":
-            texts.append(_parse(TextIn, block, at).text)
+            texts.append(_text(block, at))
         elif kind == "tool_result":
             result = _parse(ToolResultIn, block, at)
             text = (
@@ -87,7 +96,7 @@ def _assistant(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]
     for j, block in enumerate(content):
         kind, at = block.get("type"), f"{where}.{j}"
         if kind == "text":
-            texts.append(_parse(TextIn, block, at).text)
+            texts.append(_text(block, at))
         elif kind == "tool_use":
             use = _parse(ToolUseIn, block, at)
             arguments = json.dumps(use.input, ensure_ascii=False)
@@ -111,7 +120,18 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     if req.system:
         system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
         messages.append({"role": "system", "content": system})
+    last = len(req.messages) - 1
     for i, message in enumerate(req.messages):
+        if not message.content:
+            # As Anthropic: "" and [] are no content, allowed only as the final assistant
+            # message, a prefill of nothing: the answer starts as if it were not there.
+            if i == last and message.role == "assistant":
+                continue
+            raise invalid(
+                "all messages must have non-empty content except for the optional final "
+                "assistant message",
+                f"messages.{i}",
+            )
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "user":

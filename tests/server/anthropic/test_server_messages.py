@@ -350,6 +350,87 @@ def test_too_many_stop_sequences_are_refused_in_words(server: RunningServer) -> 
     assert httpx.post(f"{server.url}/v1/messages", json=four, timeout=60).status_code == 200
 
 
+EMPTY_BLOCK = [{"type": "text", "text": ""}]
+NOT_EMPTY = (
+    "all messages must have non-empty content except for the optional final assistant message"
+)
+EMPTY_TEXT = "text content blocks must be non-empty"
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+EMPTY_RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": EMPTY_BLOCK}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param(
+            {"messages": [{"role": "user", "content": ""}]},
+            f"messages.0: {NOT_EMPTY}",
+            id="user-empty-string",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": []}]},
+            f"messages.0: {NOT_EMPTY}",
+            id="user-no-blocks",
+        ),
+        pytest.param(
+            {"messages": [HI, {"role": "assistant", "content": ""}, HI]},
+            f"messages.1: {NOT_EMPTY}",
+            id="earlier-assistant-empty-string",
+        ),
+        pytest.param(
+            {"messages": [HI, {"role": "assistant", "content": []}, HI]},
+            f"messages.1: {NOT_EMPTY}",
+            id="earlier-assistant-no-blocks",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": EMPTY_BLOCK}]},
+            f"messages.0.content.0.text: {EMPTY_TEXT}",
+            id="user-empty-text-block",
+        ),
+        pytest.param(  # a final assistant message may be empty, not hold an empty block
+            {"messages": [HI, {"role": "assistant", "content": EMPTY_BLOCK}]},
+            f"messages.1.content.0.text: {EMPTY_TEXT}",
+            id="final-assistant-empty-text-block",
+        ),
+        pytest.param({"system": EMPTY_BLOCK}, f"system.0.text: {EMPTY_TEXT}", id="system-block"),
+        pytest.param(
+            {
+                "messages": [
+                    HI,
+                    {"role": "assistant", "content": [CALL]},
+                    {"role": "user", "content": [EMPTY_RESULT]},
+                ]
+            },
+            f"messages.2.content.0.content.0.text: {EMPTY_TEXT}",
+            id="tool-result-empty-text-block",
+        ),
+    ],
+)
+def test_empty_content_is_refused_as_anthropic_refuses_it(
+    server: RunningServer, change: dict[str, Any], message: str
+) -> None:
+    """Anthropic's own refusals of empty content, in its words, led by the field: on the
+    message route and on count_tokens (which reads the same prompt)."""
+    body: dict[str, Any] = {"model": MODEL, "messages": [HI], **change}
+    for path, extra in (("/v1/messages", {"max_tokens": 8}), ("/v1/messages/count_tokens", {})):
+        response = httpx.post(f"{server.url}{path}", json={**body, **extra}, timeout=60)
+        assert anthropic_error(response, 400, "invalid_request_error") == message, path
+
+
+@pytest.mark.parametrize("empty", ["", []], ids=["empty-string", "no-blocks"])
+def test_an_empty_final_assistant_message_is_no_prefill(claude: Any, empty: Any) -> None:
+    """Anthropic takes an empty final assistant message: it adds nothing to the prompt."""
+    alone = claude.messages.count_tokens(model=MODEL, messages=[HI])
+    with_it = claude.messages.count_tokens(
+        model=MODEL, messages=[HI, {"role": "assistant", "content": empty}]
+    )
+    assert with_it.input_tokens == alone.input_tokens
+    message = claude.messages.create(
+        model=MODEL, max_tokens=4, messages=[HI, {"role": "assistant", "content": empty}]
+    )
+    assert message.usage.input_tokens == alone.input_tokens
+
+
 def test_the_sdk_raises_its_own_classes(claude: Any) -> None:
     import anthropic
 
