@@ -104,8 +104,9 @@ class ServerConfig(_Strict):
         2048,
         ge=1,
         description="most completions one /v1/completions (or /v1/completions/render) request "
-        "may ask for, its prompts times n (OpenAI's limit on a prompt array: 2048); a render "
-        "answer may also take at most 4 times --max-body-bytes",
+        "may ask for: its prompts times n (the default is the size of OpenAI's array limits, "
+        "as for embedding inputs); a render answer may also take at most 4 times "
+        "--max-body-bytes",
     )
     max_embedding_inputs: int = Field(
         2048,
