@@ -360,12 +360,14 @@ def served(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         max_model_len=MAX_MODEL_LEN,
         scheduling_policy="priority",
     )
-    assert engine.info.vocab_size == VOCAB
     try:
+        assert engine.info.vocab_size == VOCAB
         server = RunningServer(engine, ServerConfig(served_model_name=[MODEL]))
-        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
-            yield Served(server, client, greedy_answer(client))
-        server.stop()
+        try:
+            with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+                yield Served(server, client, greedy_answer(client))
+        finally:
+            server.stop()
     finally:
         engine.shutdown()
 
