@@ -52,7 +52,12 @@ def apply_penalties(
         if seen.numel():
             vals = logits[seen]
             p = params.repetition_penalty
-            logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+            # A penalty far from 1 (below float32's range, 1e-300 say) would overflow a logit to
+            # an infinity, and softmax over infinities is NaN: the penalized logit is kept at
+            # the dtype's largest magnitude instead. A masked logit (-inf) stays masked.
+            big = torch.finfo(logits.dtype).max
+            penalized = torch.where(vals > 0, vals / p, vals * p).clamp(-big, big)
+            logits[seen] = torch.where(vals.isfinite(), penalized, vals)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
         # scatter_add, not bincount: bincount on CUDA reads the largest id back to size its output.
         # Output ids were sampled from rows of this width, so each one has its place.

@@ -177,6 +177,29 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     torch.testing.assert_close(row, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e300])
+def test_an_extreme_repetition_penalty_never_makes_nan(penalty: float) -> None:
+    """Outside float32's range the penalty once overflowed logits to infinities, whose softmax
+    is NaN: every draw then took the vocabulary's last token. Now a tiny penalty makes the seen
+    tokens with positive logits the only likely ones, a huge one the seen tokens the least."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(4)).abs() + 0.1
+    logits[7] = float("-inf")  # masked (a grammar): stays masked whatever the penalty
+    seen = [5, 6, 7, 8]
+    row = logits.clone()
+    apply_penalties(row, SamplingParams(repetition_penalty=penalty), seen, [])
+    assert not row.isnan().any() and row[7] == float("-inf")
+    probs = torch.softmax(row, dim=-1)
+    assert not probs.isnan().any()
+    unseen = [t for t in range(VOCAB) if t not in seen]
+    if penalty < 1:  # the seen tokens are the only ones drawn
+        params = SamplingParams(temperature=1.0, repetition_penalty=penalty, max_tokens=50)
+        seq = make_sequence(params, prompt=seen, seed=3)
+        tokens = {Sampler(seed=0)(logits.clone()[None], [seq])[0].token_id for _ in range(20)}
+        assert tokens <= {5, 6, 8}
+    else:  # the seen tokens rank below every other
+        assert row[[5, 6, 8]].max() < row[unseen].min()
+
+
 def test_repetition_then_frequency_and_presence() -> None:
     """vLLM's order: the repetition penalty scales the logit, then the OpenAI penalties subtract."""
     logits = torch.tensor([2.0, -2.0, 1.0, 4.0], dtype=torch.float32)
