@@ -58,9 +58,11 @@ class Bounds:
 # difference over them. Q4_1 (its Q8_0 head with int8 activations too): 5 / 16 / 10 / 16, 0.234
 # (the first and third prompts part where the exact path's token had probability 0.04 and 0.21).
 # int8 (W8A8): 5 / 1 / 16 / 16, 0.193 (the second prompt parts at its second token, where the
-# exact path's had probability 0.19, the first where it had 0.04). The bounds leave a little room
-# for the order of the sums.
-BOUNDS = {"gguf": Bounds(4, 44, 0.3), "int8": Bounds(1, 35, 0.25)}
+# exact path's had probability 0.19, the first where it had 0.04). On an Intel Xeon with AMX
+# (2026-11-28), whose exact bfloat16 path rounds otherwise: Q4_1 5 / 16 / 10 / 16, 0.190; int8
+# 5 / 16 / 16 / 16, 0.259 (the second prompt agrees on all 16 tokens there, so its logprobs are
+# compared 16 deep). The bounds leave a little room for the order of the sums.
+BOUNDS = {"gguf": Bounds(4, 44, 0.3), "int8": Bounds(1, 35, 0.3)}
 # A difference only where the exact path was unsure: its token below this probability.
 UNSURE = math.log(0.5)
 Trace = list[list[tuple[int, float]]]
