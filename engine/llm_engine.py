@@ -344,19 +344,24 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.beam is not None:  # the hypotheses finished so far, if any
-            request.beam.abort(self.scheduler)
-            self._recorder.finished(request, time.time())
-            return self._beam_output(request, request.beam)
-        for seq in request.sequences:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+        self._stop(request, "abort")
         self._recorder.finished(request, time.time())
+        if request.beam is not None:  # the hypotheses finished so far, if any
+            return self._beam_output(request, request.beam)
         self._finish_unloads()
         if request.sequences[0].pooling is not None:
             return PoolingRequestOutput(request_id, request.prompt_token_ids, None)
         return make_output(request)
+
+    def _stop(self, request: Request, reason: str) -> None:
+        """End every sequence of the request still going (a beam search's live beams too) with
+        `reason`, its blocks back in the pool."""
+        if request.beam is not None:
+            request.beam.abort(self.scheduler, reason=reason)
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -422,16 +427,10 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if request.beam is not None:
-                request.beam.abort(self.scheduler, reason="error")
-            # Whatever of it the scheduler still holds, even a half-made fork.
-            held = [
-                s
-                for s in (*self.scheduler.running, *self.scheduler.waiting)
-                if s.request_id == request_id
-            ]
-            for seq in (*request.sequences, *held):
-                if not seq.is_finished:
+            self._stop(request, "error")
+            # Whatever of it the scheduler still holds, even a fork its failure left half-made.
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                if seq.request_id == request_id:
                     seq.finish_reason = "error"
                     self.scheduler.finish(seq)
             self._recorder.finished(request, now, finish_reason="error")
