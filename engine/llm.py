@@ -16,20 +16,12 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
+from engine.processing.prompt_inputs import PlainPrompt, PromptType, as_prompt_batch
 from engine.processing.tokenization import encode_chat, pooling_tokens, truncation
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-Prompt = str | list[int]
 Message = dict[str, object]
-
-
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-    ):
-        return [cast(Prompt, prompts)]  # one prompt: text or token ids
-    return list(cast(Sequence[Prompt], prompts))
 
 
 class LLM:
@@ -57,16 +49,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. All prompts are validated before any runs.
+        """One output per prompt, in order. All prompts are validated before any runs. A prompt
+        is a text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`.
         `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); needs `enable_lora=True`."""
-        batch = _as_batch(prompts)
+        batch = as_prompt_batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -120,14 +113,14 @@ class LLM:
 
     def embed(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """One embedding per prompt (`outputs.embedding`), in order, all batched by the
         scheduler; needs a pooling engine (`runner="pooling"`, or an encoder model).
         `truncate_prompt_tokens`: keep at most that many tokens (-1: the model's window)."""
-        batch = _as_batch(prompts)
+        batch = as_prompt_batch(prompts)
         params = pooling_params or PoolingParams()
         token_ids = [self._pooling_tokens(p, truncate_prompt_tokens) for p in batch]
         for ids in token_ids:  # every input checked before any is queued
@@ -162,15 +155,16 @@ class LLM:
             for a, b in zip(vectors[:n], vectors[n:])
         ]
 
-    def _pooling_tokens(self, prompt: Prompt, truncate: int | None) -> list[int]:
+    def _pooling_tokens(self, prompt: PlainPrompt, truncate: int | None) -> list[int]:
         count = truncation(truncate, self.engine.max_model_len)
         return pooling_tokens(self.tokenizer, prompt, count)
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """One output per prompt, in order: the `beam_width` best sequences, best first (by
-        cumulative logprob / generated length ** length_penalty)."""
+        cumulative logprob / generated length ** length_penalty). Prompts take the shapes
+        `generate` takes, vLLM's `{"prompt": text}` and `{"prompt_token_ids": ids}` among them."""
         outputs = self.generate(prompts, params.to_sampling_params())
         results = []
         for out in outputs:
