@@ -9,6 +9,7 @@ import sys
 import threading
 
 import uvicorn
+from tqdm import TMonitor
 
 from config import ServeConfig
 from engine.async_engine import AsyncEngine
@@ -54,6 +55,7 @@ def serve(config: ServeConfig) -> int:
         log.error("the HTTP server did not start")
         return 1
     log.info("stopped (exit status %d)", server.exit_code)
+    stop_progress_monitor()
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if left:
         log.warning("threads still running at exit: %s", [t.name for t in left])
@@ -65,3 +67,12 @@ def serve(config: ServeConfig) -> int:
         sys.stderr.flush()
         os._exit(server.exit_code)
     return server.exit_code
+
+
+def stop_progress_monitor() -> None:
+    """tqdm starts a monitor thread with its first progress bar (transformers shows two while it
+    converts the default model on a first start) and leaves it to the interpreter's exit: it is
+    stopped here, idle, rather than reported as a thread left running."""
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()

@@ -116,6 +116,25 @@ def test_sigterm_under_load_drains_then_exits_0(tmp_path: Path, default_model_di
     assert "threads still running" not in log and "Traceback" not in log
 
 
+def test_a_progress_bar_leaves_no_thread_at_exit(tmp_path: Path, qwen3_dir: Path) -> None:
+    """A first start converts the default model under tqdm's progress bars, which start tqdm's
+    monitor thread: a clean stop still reports no thread left running."""
+    daemon = start_daemon(
+        tmp_path,
+        [str(qwen3_dir), "--num-kv-blocks", "64", "--max-model-len", "256"],
+        module="tests.support.serve_after_progress_bar",
+    )
+    try:
+        assert "'tqdm_monitor'" in daemon.log.read_text()  # the monitor ran while serving
+        daemon.process.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0
+    finally:
+        stop(daemon)
+    log = daemon.log.read_text()
+    assert "stopped (exit status 0)" in log
+    assert "threads still running" not in log and "Traceback" not in log
+
+
 def test_second_signal_exits_at_once(tmp_path: Path, default_model_dir: Path) -> None:
     daemon = start_daemon(tmp_path, ["--num-kv-blocks", "512", "--shutdown-timeout", "600"])
     try:
