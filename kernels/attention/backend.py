@@ -86,7 +86,9 @@ class AttentionBackend(Protocol):
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store the new K/V through `slot_mapping`, then attend causally through the block
+        """Store the new K/V through `slot_mapping` (unless `kv_stored`: the caller's fused
+        kernel stored them, and k, v are not read), then attend causally through the block
         table, within `sliding_window` keys and with scores capped by `softcap` when given."""
         ...

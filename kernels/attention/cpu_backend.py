@@ -170,9 +170,11 @@ class CpuPagedBackend:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_window_and_softcap(sliding_window, softcap)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         _, block_size, kv_heads, dim = k_cache.shape
         chunks: list[SdpaChunk] = []
         max_query_len = NO_LIMIT  # with a softcap the kernel takes every chunk

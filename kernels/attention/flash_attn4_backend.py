@@ -35,9 +35,11 @@ class FlashAttn4Backend:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_window_and_softcap(sliding_window, softcap)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         result = flash_attn_varlen_func(
             q,
             k_cache,

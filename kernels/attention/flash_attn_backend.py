@@ -48,9 +48,11 @@ class FlashAttn2Backend:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_window_and_softcap(sliding_window, softcap)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         window, cap = window_size(sliding_window), 0.0 if softcap is None else float(softcap)
         if max(meta.query_lens, default=0) == 1:
             out = flash_attn_with_kvcache(

@@ -139,9 +139,11 @@ class TorchReferenceBackend:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_window_and_softcap(sliding_window, softcap)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_blocks, block_size, kv_heads, dim = k_cache.shape
         plan = meta.planned(
             ("torch", sliding_window), lambda: _plan(meta, block_size, q.device, sliding_window)

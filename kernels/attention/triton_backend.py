@@ -31,9 +31,11 @@ class TritonBackend:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_window_and_softcap(sliding_window, softcap)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         max_query_len = max(meta.query_lens, default=0)
         return paged_attention(
             q,

@@ -84,15 +84,37 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.options.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope[self.options.rope]
-        if ctx.fused is not None:  # in place, on the qkv output (or the normed copies)
-            ctx.fused.rotary_(q, cos[:, 0], sin[:, 0])
-            ctx.fused.rotary_(k, cos[:, 0], sin[:, 0])
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        # The GPU's fused ops (kernels/triton/fused_ops) norm, rotate and store K/V in one kernel.
+        kv_stored = hasattr(ctx.fused, "rope_store_kv")
+        if kv_stored:
+            assert ctx.fused is not None
+            norm_weights = None
+            if self.options.qk_norm and self.options.gemma_norm:  # (1 + w), in float32: torch
+                q, k = self.q_norm(q), self.k_norm(k)
+            elif self.options.qk_norm:
+                norm_weights = (self.q_norm.weight, self.k_norm.weight)
+            q = ctx.fused.rope_store_kv(
+                q,
+                k,
+                v,
+                cos[:, 0],
+                sin[:, 0],
+                k_cache,
+                v_cache,
+                ctx.meta.slot_mapping,
+                norm_weights,
+                self.options.norm_eps,
+            )
+        else:
+            if self.options.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if ctx.fused is not None:  # in place, on the qkv output (or the normed copies)
+                ctx.fused.rotary_(q, cos[:, 0], sin[:, 0])
+                ctx.fused.rotary_(k, cos[:, 0], sin[:, 0])
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.backend.forward(
             q,
             k,
@@ -103,5 +125,6 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.options.sliding_window,
             softcap=self.options.softcap,
+            kv_stored=kv_stored,
         )
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -89,6 +89,7 @@ class _Misapplied:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if sliding_window is not None:
             sliding_window += self.window_shift
@@ -102,6 +103,7 @@ class _Misapplied:
             scale,
             sliding_window=sliding_window,
             softcap=None if self.drop_softcap else softcap,
+            kv_stored=kv_stored,
         )
 
 
