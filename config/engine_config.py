@@ -88,6 +88,12 @@ class ModelConfig(_Strict):
         False,
         description="run decode steps eagerly instead of replaying CUDA graphs, and keep CPU weights unpacked",
     )
+    fused_kernels: bool = Field(
+        True,
+        description="on a CUDA GPU, run each decoder layer's RMSNorms (with their residual adds), "
+        "q/k norms + rotary + K/V store, and SiLU-mul as fused Triton kernels, fewer kernels a "
+        "step; --no-fused-kernels: the torch ops (the CPU has its own fused ops either way)",
+    )
     batch_invariant: bool = Field(
         False,
         description="make a request's output independent of the batch it runs in (bfloat16 on the CPU): every "

@@ -25,6 +25,7 @@ from engine.worker.cpu import prepare_model
 from engine.worker.cpu.activation_quant import use_int8_activations
 from engine.worker.cpu.quantize import quantize_int8
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.gpu_fused_ops import use_triton_fused_ops
 from engine.worker.gpu_quantize import quantize_for_gpu
 from engine.worker.model_input import HostBatch, PinnedUpload
 from kernels.attention import AttentionBackend, build_backend
@@ -238,6 +239,13 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
             fixed_order=invariant,
             lora=config.lora.enable_lora,
         )
+    if device.startswith("cuda") and config.model.fused_kernels and not spec.info.encoder:
+        why_not = use_triton_fused_ops(model)
+        if shard.rank == 0:
+            if why_not is None:
+                log.info("norms, rotary + K/V store and SiLU-mul run as fused Triton kernels")
+            else:
+                log.warning("norms, rotary and SiLU stay torch ops (more kernels): %s", why_not)
     off = graphs_off_reason(config, spec, backend)
     if shard.rank == 0 and off is not None:
         log.info("CUDA graphs off: %s", off)
