@@ -28,6 +28,9 @@ from kernels.triton.launch import KernelLaunch
 from kernels.triton.paged_attention import paged_attention_launch
 from kernels.triton.quant_layout import PackedQuantWeight
 from kernels.triton.quant_linear import quant_linear_launch, quant_linear_output
+from kernels.triton.rms_norm import rms_norm_launch
+from kernels.triton.rope_store_kv import rope_store_kv_launch
+from kernels.triton.silu_mul import silu_mul_launch
 from kernels.triton.store_kv import store_kv_launch
 
 
@@ -85,7 +88,7 @@ class QuantFormat:
 class Case:
     """One kernel at one shape for one target; `capability` is 80 for compute capability 8.0."""
 
-    kernel: str  # "paged_attention" or "store_kv"
+    kernel: str  # "paged_attention", "store_kv", "quant_linear" or one of FUSED_KERNELS
     model: str  # a key of MODELS
     dtype: str  # a torch dtype's name
     block_size: int
@@ -222,6 +225,44 @@ def _quant_linear_launch(case: Case, dtype: torch.dtype) -> KernelLaunch:
     return quant_linear_launch(x, weight, None, quant_linear_output(x, weight))
 
 
+# The decoder layers' fused kernels (kernels/triton/fused_ops.py).
+FUSED_KERNELS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_store_kv")
+
+
+def _fused_launch(case: Case, model: Model, dtype: torch.dtype, tokens: int) -> KernelLaunch:
+    """A fused kernel at the model's shapes: rows of heads x head_dim (its hidden size, but for
+    Gemma's), an MLP 4 times wider, the rotary + store with q/k norms (the branch with more
+    code)."""
+    hidden = model.heads * model.head_dim
+    rows, weight = _meta(tokens, hidden, dtype=dtype), _meta(hidden, dtype=dtype)
+    if case.kernel == "rms_norm":
+        return rms_norm_launch(rows, weight, 1e-6, torch.empty_like(rows))
+    if case.kernel == "add_rms_norm":
+        out, summed = torch.empty_like(rows), torch.empty_like(rows)
+        return rms_norm_launch(rows, weight, 1e-6, out, torch.empty_like(rows), summed)
+    if case.kernel == "silu_mul":
+        return silu_mul_launch(
+            _meta(tokens, 8 * hidden, dtype=dtype), _meta(tokens, 4 * hidden, dtype=dtype)
+        )
+    q, k, v = _qkv(model, dtype, tokens)
+    cache = _meta(64, case.block_size, model.kv_heads, model.head_dim, dtype=dtype)
+    rope = _meta(tokens, model.head_dim, dtype=dtype)
+    norm = _meta(model.head_dim, dtype=dtype)
+    return rope_store_kv_launch(
+        q,
+        k,
+        v,
+        torch.empty_like(q),
+        rope,
+        torch.empty_like(rope),
+        cache,
+        torch.empty_like(cache),
+        _meta(tokens, dtype=torch.int64),
+        (norm, torch.empty_like(norm)),
+        1e-6,
+    )
+
+
 def launch_for(case: Case) -> KernelLaunch:
     """The launch the kernel's own launch code builds for this shape, from meta tensors."""
     model, dtype = MODELS[case.model], getattr(torch, case.dtype)
@@ -231,6 +272,8 @@ def launch_for(case: Case) -> KernelLaunch:
     q, k, v = _qkv(model, dtype, tokens)
     k_cache = _meta(64, case.block_size, model.kv_heads, model.head_dim, dtype=dtype)
     v_cache = torch.empty_like(k_cache)
+    if case.kernel in FUSED_KERNELS:
+        return _fused_launch(case, model, dtype, tokens)
     if case.kernel == "store_kv":
         return store_kv_launch(k, v, k_cache, v_cache, _meta(tokens, dtype=torch.int64))
     return paged_attention_launch(

@@ -10,7 +10,8 @@ default model's shape; and the attention kernel's specialization for a sliding w
 softcap at every model's shape in bfloat16: 93 compiles, about 45 s of CPU, spread over the
 cores in processes of their own. Then the quantized linear (kernels/triton/quant_linear.py) on
 sm90 in the weight formats the default model and a 7B Llama are served in: 16 compiles more,
-about 17 s of CPU. A target the toolchain here cannot build for at all is
+about 17 s of CPU. Then the decoder layers' fused kernels (kernels/triton/fused_ops.py): 44
+compiles more, about 20 s of CPU. A target the toolchain here cannot build for at all is
 skipped, saying why."""
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from pydantic import ValidationError
 
 from config.engine_config import CacheConfig, DType
 from kernels.attention.registry import BY_NAME
-from tests.support.triton_compile import MODELS, Case, Outcome, QuantFormat, compile_cases
+from tests.support.triton_compile import (
+    FUSED_KERNELS,
+    MODELS,
+    Case,
+    Outcome,
+    QuantFormat,
+    compile_cases,
+)
 
 DEFAULT_BLOCK_SIZE = BY_NAME["triton"].default_block_size
 
@@ -103,6 +111,20 @@ CASES = [
     ),
     Case("quant_linear", "Llama-3.1-8B", "bfloat16", 0, 90, quant=GPTQ_4BIT, rows=48),
     Case("quant_linear", "Llama-3.1-8B", "float16", 0, 90, quant=GPTQ_4BIT, rows=1),
+    # The decoder layers' fused kernels: every model and dtype on Hopper, the default model in
+    # the half type on the other targets.
+    *(
+        Case(kernel, model, dtype, DEFAULT_BLOCK_SIZE, 90)
+        for kernel in FUSED_KERNELS
+        for model in MODELS
+        for dtype in DTYPES
+    ),
+    *(
+        Case(kernel, DEFAULT_MODEL, "bfloat16", DEFAULT_BLOCK_SIZE, capability)
+        for kernel in FUSED_KERNELS
+        for capability in CAPABILITIES
+        if capability != 90
+    ),
 ]
 
 
