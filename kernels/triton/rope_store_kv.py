@@ -164,6 +164,7 @@ def rope_store_kv_launch(
     assert q_out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert dim % 2 == 0
     q_weight, k_weight = norm_weights if norm_weights is not None else (q, k)
+    half_block = triton.next_power_of_2(dim // 2)
     return KernelLaunch(
         kernel=_rope_store_kv_kernel,
         grid=(tokens, heads + kv_heads),
@@ -189,9 +190,11 @@ def rope_store_kv_launch(
             "NUM_HEADS": heads,
             "NUM_KV_HEADS": kv_heads,
             "HEAD_DIM": dim,
-            "HALF_BLOCK": triton.next_power_of_2(dim // 2),
+            "HALF_BLOCK": half_block,
             "HAS_NORM": norm_weights is not None,
         },
+        # A program holds one head: a warp per 64 pairs, not the default 4 mostly idle ones.
+        options={"num_warps": max(1, half_block // 64)},
     )
 
 
