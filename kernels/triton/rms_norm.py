@@ -54,27 +54,25 @@ def rms_norm_launch(
     also read by the GPU compile test."""
     rows, hidden = x.shape
     assert x.stride(1) == 1 and out.is_contiguous()
-    has_residual = residual is not None
-    if has_residual:
-        assert residual is not None and summed is not None
-        assert residual.stride(1) == 1 and summed.is_contiguous()
+    if residual is not None:
+        assert summed is not None and residual.stride(1) == 1 and summed.is_contiguous()
     return KernelLaunch(
         kernel=_rms_norm_kernel,
         grid=(rows,),
         args={
             "x_ptr": x,
-            "residual_ptr": residual if has_residual else x,
+            "residual_ptr": x if residual is None else residual,
             "weight_ptr": weight,
             "out_ptr": out,
-            "sum_ptr": summed if has_residual else out,
+            "sum_ptr": out if summed is None else summed,
             "stride_x": x.stride(0),
-            "stride_residual": residual.stride(0) if residual is not None else 0,
+            "stride_residual": 0 if residual is None else residual.stride(0),
             "eps": eps,
         },
         constexprs={
             "HIDDEN": hidden,
             "BLOCK": triton.next_power_of_2(hidden),
-            "HAS_RESIDUAL": has_residual,
+            "HAS_RESIDUAL": residual is not None,
         },
         options={"num_warps": _warps(hidden)},
     )
