@@ -153,7 +153,12 @@ async def _load(server: Server, route: str, streams: int, rounds: int, max_token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", action="append", default=[], help="NAME=PATH of a checkout")
+    parser.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        help="NAME=PATH [ARGS]: a checkout, its server's args",
+    )
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -163,13 +168,15 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the servers")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
+    # NAME=PATH, then arguments for that server alone: --root "plain=. --no-coalesce".
     roots = [r.split("=", 1) for r in args.root] or [["this", "."]]
     offered = {
         n: offline_rate(args.step_ms / 1000, n, args.max_tokens) for n in sorted(set(args.streams))
     }
-    servers = [
-        Server(name, Path(path).resolve(), args.step_ms, args.server_arg) for name, path in roots
-    ]
+    servers = []
+    for name, value in roots:
+        path, *own = value.split()
+        servers.append(Server(name, Path(path).resolve(), args.step_ms, args.server_arg + own))
     rows = []
     try:
         for _ in range(args.repeats):

@@ -16,6 +16,7 @@ any temperature). No grammars, beam search, LoRA or pooling.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import zlib
 from typing import cast
@@ -203,9 +204,10 @@ def offline_rate(step_s: float, streams: int, max_tokens: int) -> float:
     return engine.tokens_emitted / (time.perf_counter() - started)
 
 
-def start_standin(step_s: float) -> AsyncEngine:
+def start_standin(step_s: float, coalesce: bool = True) -> AsyncEngine:
     """The stand-in behind the real bridge, its thread started."""
     engine = AsyncEngine.built_by(lambda: cast(LLMEngine, StandInEngine(step_s)))
+    engine.coalesce = coalesce
     engine.start()
     return engine
 
@@ -218,8 +220,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--step-ms", type=float, default=10.0, help="one decode step every N ms")
+    parser.add_argument(
+        "--no-coalesce", action="store_true", help="one event per output, however far behind"
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval: how long a thread keeps the GIL",
+    )
     args = parser.parse_args()
-    engine = start_standin(args.step_ms / 1000)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    engine = start_standin(args.step_ms / 1000, coalesce=not args.no_coalesce)
     try:
         config = ServerConfig(host="127.0.0.1", port=args.port, responses_store="none")
         app = create_app(engine, config)

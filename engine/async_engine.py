@@ -12,6 +12,7 @@ loop. `engine` belongs to the engine thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -26,6 +27,7 @@ from typing import Any, cast
 
 from config import EngineConfig
 from engine.client import EngineRequest, PoolingRequest
+from engine.coalesce import coalesce
 from engine.core.request_failures import describe
 from engine.daemon_pool import DaemonThreadPool
 from engine.engine_info import EngineInfo
@@ -45,18 +47,49 @@ COMPILE_THREADS = 2  # grammar compiles at once; more wait their turn, within th
 LORA_READ_THREADS = 2  # adapter reads at once; more wait their turn, within their timeout
 
 
-@dataclass
 class _Sink:
-    """Where one request's outputs go: its asyncio queue, fed on its own event loop."""
+    """Where one request's outputs go: a backlog its stream drains, fed on its own event loop.
+    A deque and a future rather than an asyncio.Queue: the stream takes the whole backlog at
+    once (to coalesce it), and the engine thread wakes each loop once per step, not once per
+    output (`_post`)."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[EngineOutput | BaseException]
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.backlog: collections.deque[EngineOutput | BaseException] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: EngineOutput | BaseException) -> None:
+        """On the sink's loop."""
+        self.backlog.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until the backlog holds something."""
+        while not self.backlog:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def send(self, item: EngineOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        """From any thread: one item on its own (an abort's output, a failure)."""
+        _post(self.loop, [(self, item)])
+
+
+def _hand_out(batch: list[tuple[_Sink, EngineOutput | BaseException]]) -> None:
+    for sink, item in batch:
+        sink.put(item)
+
+
+def _post(loop: asyncio.AbstractEventLoop, batch: list[tuple[_Sink, Any]]) -> None:
+    # Each call_soon_threadsafe writes to the loop's wake-up socket and takes its lock: at
+    # hundreds of streams, once per output was the engine thread's largest cost after its step.
+    try:
+        loop.call_soon_threadsafe(_hand_out, batch)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
 
 
 @dataclass
@@ -94,6 +127,9 @@ class AsyncEngine:
         self.info: EngineInfo = dataclasses.replace(
             engine.info, tokenizer=copy.deepcopy(engine.info.tokenizer)
         )
+        # A stream hands over what queued up for it as one output (engine/coalesce.py); off
+        # only to measure what that saves.
+        self.coalesce = True
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | object] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
         self._stopping = threading.Event()
@@ -281,18 +317,28 @@ class AsyncEngine:
     ) -> AsyncGenerator[EngineOutput, None]:
         """Queues the request when first iterated; leaving early (a client that went away)
         aborts it."""
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        sink = _Sink(asyncio.get_running_loop())
         with self._lock:
             if not self._accepting:
                 raise EngineDeadError(self.dead_reason())
             self._inbox.put(_Add(request, checked, sink, arrival_time=time.time()))
         finished = False
+        backlog = sink.backlog
         try:
             while not finished:
-                item = await sink.queue.get()
+                await sink.wait()
+                item = backlog.popleft()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already forgot this request
                     raise item
+                # Outputs that queued while this reader was busy go out as one.
+                while self.coalesce and backlog and isinstance(item, RequestOutput):
+                    later = backlog[0]
+                    merged = coalesce(item, later) if isinstance(later, RequestOutput) else None
+                    if merged is None:
+                        break
+                    item = merged
+                    backlog.popleft()
                 finished = item.finished
                 yield item
         finally:
@@ -332,8 +378,7 @@ class AsyncEngine:
                         self.step_started = None
                 # Metrics first: a client that has its answer finds it counted at /metrics.
                 self._record_stats()
-                for output in outputs:
-                    self._deliver(output)
+                self._deliver_all(outputs)
         except BaseException as exc:  # a failed step must fail every request, never hang one
             log.exception("the engine step failed; failing every request in flight")
             self.error = exc
@@ -426,13 +471,21 @@ class AsyncEngine:
             return
         self._sinks[request.request_id] = item.sink
 
+    def _deliver_all(self, outputs: list[EngineOutput]) -> None:
+        """A step's outputs, in one hand-over per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
+            if sink is None:
+                continue
+            item: EngineOutput | BaseException = output
+            if isinstance(output, RequestOutput) and output.error is not None:
+                item = RequestFailedError(output.error)  # the request's stream raises it
+            batches.setdefault(sink.loop, []).append((sink, item))
+        for loop, batch in batches.items():
+            _post(loop, batch)
+
     def _deliver(self, output: EngineOutput) -> None:
-        sink = self._sinks.get(output.request_id)
-        if output.finished:
-            self._sinks.pop(output.request_id, None)
-        if sink is None:
-            return
-        if isinstance(output, RequestOutput) and output.error is not None:
-            sink.send(RequestFailedError(output.error))  # the request's stream raises it
-        else:
-            sink.send(output)
+        self._deliver_all([output])
