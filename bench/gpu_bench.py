@@ -201,13 +201,12 @@ def random_prompts(lengths: list[int], model: Record, seed: int) -> list[list[in
     return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lengths]
 
 
-def decode_plan(settings: Settings) -> list[Record]:
-    """Per batch size: the prompt length that puts the timed steps' mean context at --decode-context,
-    and a max_tokens that no sequence reaches while timed (in a chunked prefill, the first prompts
-    done decode up to one token per remaining prefill step before the last one has its first)."""
-    steps = settings.decode_steps
-    prompt_len = max(1, settings.decode_context - 1 - (steps - 1) // 2)
-    budget = int(settings.engine_args["max_num_batched_tokens"])
+def decode_plan(batches: list[int], context: int, steps: int, budget: int) -> list[Record]:
+    """Per batch size: the prompt length that puts the timed steps' mean context at `context`,
+    and a max_tokens that no sequence reaches while timed (in a chunked prefill of `budget` tokens a
+    step, the first prompts done decode up to one token per remaining prefill step before the last
+    one has its first)."""
+    prompt_len = max(1, context - 1 - (steps - 1) // 2)
     return [
         {
             "batch": b,
@@ -215,7 +214,7 @@ def decode_plan(settings: Settings) -> list[Record]:
             "steps": steps,
             "max_tokens": steps + math.ceil(b * prompt_len / budget) + 8,
         }
-        for b in settings.decode_batches
+        for b in batches
     ]
 
 
@@ -225,22 +224,36 @@ def decode_plan(settings: Settings) -> list[Record]:
 class Stages:
     """Runs each stage in a worker process, under what is left of the time limit."""
 
-    def __init__(self, workdir: Path, time_limit_s: float | None, count: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        time_limit_s: float | None,
+        count: int,
+        worker: str = "bench.gpu_bench_worker",
+    ) -> None:
         self.workdir = workdir
         self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.left = count
+        self.worker = worker
         self.log: list[Record] = []
+
+    def next_budget(self) -> float | None:
+        """Seconds the next stage may take (None: no limit; 0: none left), keeping RESERVE_S for each
+        stage after it. Every stage, run here or by the caller, takes its budget from here."""
+        self.left -= 1
+        if self.deadline is None:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return 0.0
+        return max(remaining - RESERVE_S * self.left, min(remaining, RESERVE_S))
 
     def run(self, name: str, task: Record) -> tuple[Record, str | None]:
         """The worker's parts, and why the worker stopped short (None when it ran to the end)."""
-        self.left -= 1
-        timeout = None
-        if self.deadline is not None:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                self.log.append({"stage": name, "seconds": 0.0, "status": "skipped"})
-                return {}, "skipped: time limit reached"
-            timeout = max(remaining - RESERVE_S * self.left, min(remaining, RESERVE_S))
+        timeout = self.next_budget()
+        if timeout == 0.0:
+            self.log.append({"stage": name, "seconds": 0.0, "status": "skipped"})
+            return {}, "skipped: time limit reached"
         task_file, result_file = (
             self.workdir / f"{name}.task.json",
             self.workdir / f"{name}.result.json",
@@ -251,7 +264,7 @@ class Stages:
             flush=True,
         )
         start = time.monotonic()
-        cmd = [sys.executable, "-m", "bench.gpu_bench_worker", str(task_file), str(result_file)]
+        cmd = [sys.executable, "-m", self.worker, str(task_file), str(result_file)]
         try:
             code = subprocess.run(cmd, cwd=REPO, timeout=timeout).returncode
             stopped = None if code == 0 else f"failed: worker exited with code {code}"
@@ -282,7 +295,16 @@ def run_model(
     # Each model's own prompts, the same whichever --models run with it.
     prompts = random_prompts(prompt_lens, model, settings.seed + 1 + list(SPECS).index(name))
     spec = SPECS[name]
-    plans = decode_plan(settings) if name == "qwen3-0.6b" else []
+    plans = (
+        decode_plan(
+            settings.decode_batches,
+            settings.decode_context,
+            settings.decode_steps,
+            int(settings.engine_args["max_num_batched_tokens"]),
+        )
+        if name == "qwen3-0.6b"
+        else []
+    )
     longest = max([settings.max_len * 2] + [p["prompt_len"] + p["max_tokens"] for p in plans])
     warmup = {"warmup_prompt_len": 4 if settings.tiny else 32, "warmup_output_len": 4}
     paged, stopped = stages.run(
