@@ -101,18 +101,23 @@ def count_on_engine(llm: Any, batch: int = 8, prompt_len: int = 32) -> Record:
         engine.take_stats()
 
 
-def kernels_per_step(count: Record) -> tuple[int | None, str]:
-    """The one number to report and how it was counted: the served step's device kernels, or the
-    eager step's when graph replays hid them from the profiler; None on a CPU."""
+def kernels_per_step(count: Record) -> tuple[int | None, str, list]:
+    """The one number to report, how it was counted, and the most launched kernels (or CPU
+    operators) of that step: the served step's device kernels, or the eager step's when graph
+    replays hid them from the profiler; None on a CPU."""
     if "served" not in count:
-        return None, count.get("counted", "not counted")
+        return None, count.get("counted", "not counted"), count.get("top", [])
+    served = count["served"]
     if not count["cuda_graphs"]:
-        return count["served"]["kernels"], "eager step (no CUDA graphs), device kernel events"
-    if count["served"]["kernels"] > 0:
-        return count["served"]["kernels"], "CUDA graph replay, device kernel events"
-    return count["eager"][
-        "kernels"
-    ], "eager step: graph replays hid their kernels from the profiler"
+        return served["kernels"], "eager step (no CUDA graphs), device kernel events", served["top"]
+    if served["kernels"] > 0:
+        return served["kernels"], "CUDA graph replay, device kernel events", served["top"]
+    eager = count["eager"]
+    return (
+        eager["kernels"],
+        "eager step: graph replays hid their kernels from the profiler",
+        eager["top"],
+    )
 
 
 def count_decode_kernels(model_dir: str, engine_args: Record, batch: int = 8) -> Record:
