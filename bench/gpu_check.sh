@@ -3,19 +3,27 @@
 #
 #     GPU_CHECK_OUT=/some/dir bash bench/gpu_check.sh [extra bench/gpu_bench.py flags]
 #
-# Stages (GPU_CHECK_STAGES picks some, in this order; default all):
+# Stages (GPU_CHECK_STAGES picks some, in this order; default "tests anchor", which fits one call of
+# 9 minutes: at most 230 s of tests and 245 s of anchor, with the deps on top):
 #   deps   pydantic, the HTTP stack and the tokenizer packages, when missing, from bench/wheels/
 #          (bench/fetch_gpu_wheels.sh, run where the registry is), and flash-attn 4 from
 #          bench/wheels-part1/ + -part2/ when those came along, into a folder on PYTHONPATH: the
 #          machine's own site-packages stay untouched. Always runs.
-#   tests  the GPU tests and the Triton kernel tests (tests/gpu/test_gpu.py: every backend against
-#          the torch reference, float32 tokens equal to transformers', bfloat16 logprobs as close
-#          to float32 as transformers' bfloat16, CUDA graphs against eager, sampling on the device);
-#          GPU_CHECK_PYTEST_K, when set, is passed as pytest's -k expression.
-#   bench  bench/gpu_bench.py (throughput against transformers, the decode step against the
-#          memory-bandwidth floor) with any flags given to this script.
-#   serve  bench/gpu_serve.py: start-up time, then the HTTP server under a closed loop of
-#          GPU_CHECK_SERVE_CONCURRENCY (64) streams against the offline engine on the same workload.
+#   tests  the GPU tests and the Triton kernel tests, in this order until the budget ends
+#          (tests/gpu/test_gpu.py: every backend against the torch reference, float32 tokens equal
+#          to transformers', bfloat16 logprobs as close to float32 as transformers' bfloat16, CUDA
+#          graphs against eager, sampling on the device; then the fused kernels against the torch
+#          ops); GPU_CHECK_PYTEST_K, when set, is passed as pytest's -k expression.
+#   anchor bench/gpu_anchor.py: the workload users quote vLLM on (1,000 random prompts of 512 tokens,
+#          128 out each, all at once; Qwen3-0.6B shape, bf16) through the offline engine and through
+#          the server at 256 streams, the decode step against the HBM floor at batch 1, 8, 64 and
+#          256, and CUDA kernels per decode step; one JSON, gpu-<date>-<gpu>.json, written even
+#          when a part fails. GPU_CHECK_ANCHOR_ARGS: more flags for it (e.g. --kernel-variant);
+#          GPU_CHECK_COMMIT: the commit to record when the copy here is not a git checkout.
+#   bench  bench/gpu_bench.py (named only: throughput against transformers, the decode step
+#          against the memory-bandwidth floor) with any flags given to this script.
+#   serve  bench/gpu_serve.py (named only): start-up time, then the HTTP server under a closed loop
+#          of GPU_CHECK_SERVE_CONCURRENCY (64) streams against the offline engine, same workload.
 #   quant  bench/gpu_quantized.py (named only, not in the default stages): the quantized linears'
 #          kernels against float32 references, then the default model's greedy tokens and decode
 #          tok/s as bf16, fp8, gguf (W4A16), int8 (W8A16) and an FP8 checkpoint of it (written
@@ -24,28 +32,31 @@
 #
 # Everything lands in GPU_CHECK_OUT (default bench/out), so that a caller on another machine can
 # take it back: check.log (this script's whole output), tests.xml (pytest's report),
-# gpu_bench.{json,md}, gpu_serve.{json,md}. Each stage has a budget (GPU_CHECK_<STAGE>_S); a stage
+# gpu-<date>-<gpu>.json (the anchor stage's; it belongs in bench/results/), gpu_bench.{json,md},
+# gpu_serve.{json,md}. Each stage has a budget (GPU_CHECK_<STAGE>_S); a stage
 # that reaches it is interrupted with SIGINT first (pytest then still prints its summary), then
 # killed. Every stage runs even when an earlier one failed; the script ends with one line per
 # stage and exits 1 if any failed. Without CUDA it stops at once.
 #
 # On an H100 (bench/RESULTS.md, second run) every stage fit one call of 491 s: tests 163 s, the
 # benchmark 271 s with transformers on both models at --max-len 512, serve 51 s on 128 requests.
-# At the defaults (--max-len 1024, 256 serve requests) the stages take over 10 minutes: run them
-# separately with GPU_CHECK_STAGES, or pass --models / --skip-transformers to the benchmark.
+# At their defaults (--max-len 1024, 256 serve requests) those stages take over 10 minutes: run
+# them separately with GPU_CHECK_STAGES, or pass --models / --skip-transformers to the benchmark.
+# The anchor stage is what the default call measures instead; the tests' budget was cut for it.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 RESULTS=$(realpath -m "${GPU_CHECK_OUT:-bench/out}")
-STAGES=${GPU_CHECK_STAGES:-tests bench serve}
-TESTS_S=${GPU_CHECK_TESTS_S:-240}
+STAGES=${GPU_CHECK_STAGES:-tests anchor}
+TESTS_S=${GPU_CHECK_TESTS_S:-210}
+ANCHOR_S=${GPU_CHECK_ANCHOR_S:-210}
 BENCH_S=${GPU_CHECK_BENCH_S:-420}
 SERVE_S=${GPU_CHECK_SERVE_S:-240}
 QUANT_S=${GPU_CHECK_QUANT_S:-300}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
-GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_pooling.py tests/kernels/attention/test_triton_kernels.py
-    tests/kernels/gpu_quant/test_triton_quant_linear.py)
+GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_fused_kernels.py tests/gpu/test_gpu_pooling.py
+    tests/kernels/attention/test_triton_kernels.py tests/kernels/gpu_quant/test_triton_quant_linear.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
 # The repository is not pip-installed there: its packages and the wheels' come from these paths.
@@ -174,6 +185,14 @@ run_serve() {
         --concurrency "${GPU_CHECK_SERVE_CONCURRENCY:-64}" ${GPU_CHECK_SERVE_ARGS:-}
 }
 
+run_anchor() {
+    local -a commit=()
+    [[ -z ${GPU_CHECK_COMMIT:-} ]] || commit=(--commit "$GPU_CHECK_COMMIT")
+    # gpu_anchor.py shares out its own limit among its stages; the SIGINT is only a backstop.
+    within $((ANCHOR_S + 15)) "$PYTHON" bench/gpu_anchor.py --results-dir "$RESULTS" \
+        --time-limit-s "$ANCHOR_S" "${commit[@]}" ${GPU_CHECK_ANCHOR_ARGS:-}
+}
+
 run_quant() {
     within "$QUANT_S" "$PYTHON" bench/gpu_quantized.py --out "$RESULTS"
 }
@@ -187,10 +206,11 @@ run_stage deps install_missing
 for stage in $STAGES; do
     case $stage in
         tests) run_stage tests run_tests ;;
+        anchor) run_stage anchor run_anchor ;;
         bench) run_stage bench run_bench "$@" ;;
         serve) run_stage serve run_serve ;;
         quant) run_stage quant run_quant ;;
-        *) echo "unknown stage $stage (tests, bench, serve, quant)" >&2; FAILED=1 ;;
+        *) echo "unknown stage $stage (tests, anchor, bench, serve, quant)" >&2; FAILED=1 ;;
     esac
 done
 print_summary
