@@ -222,3 +222,17 @@ def test_the_dry_run_goes_through_every_stage_on_the_cpu(tmp_path: Path) -> None
         "kernels-unfused",
     ]
     assert not math.isnan(report["copy_bandwidth_gb_s"])
+
+
+def test_a_run_out_of_time_still_writes_its_json(tmp_path: Path) -> None:
+    """The time limit cuts the very first stage: nothing measured, the file still lands, exit 1."""
+    cmd = [sys.executable, "bench/gpu_anchor.py", "--tiny", "--results-dir", str(tmp_path)]
+    done = subprocess.run(
+        [*cmd, "--time-limit-s", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    (written,) = tmp_path.glob("gpu-*-cpu-dry-run.json")
+    report = json.loads(written.read_text())
+    assert report["offline_out_tok_s_512_128"] is None and report["step_ms"]["1"] is None
+    assert any(e.startswith("model: failed: timed out") for e in report["errors"])
+    assert [s["status"] for s in report["stages"]] == ["failed: timed out after 1 s"]
