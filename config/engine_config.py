@@ -212,6 +212,12 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(
         None, ge=2, le=10_000_000, description="context limit in tokens (default: the model's)"
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule and build the next step while the model runs the current one, and "
+        "make a step's outputs while the next runs (default: on with CUDA, off on the CPU; "
+        "refused for pooling models, --enable-lora and tensor parallelism)",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs",
         description="fcfs: requests in arrival order; priority: by each request's priority "

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from config import ConfigError, EngineConfig
+from engine.async_scheduling import AppliedStep, PlannedStep, StepPipeline
+from engine.async_scheduling.choice import use_async_scheduling
 from engine.core.beam_search import BeamGroup, beam_group_for
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_failures import RequestFailures, describe
@@ -175,6 +177,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self._recorder = StatsRecorder()
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
+        self._pipeline: StepPipeline | None = None
+        if use_async_scheduling(config, spec):
+            self._pipeline = StepPipeline(self, self.executor.execute, self._has_beams)
+        log.info("async scheduling %s", "on" if self._pipeline is not None else "off")
+
+    def _has_beams(self) -> bool:
+        """A beam search is running or waiting: its steps run alone (async scheduling)."""
+        return any(r.beam is not None for r in self.requests.values())
 
     # ----------------------------------------------------------------- requests in
 
@@ -373,6 +383,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the worker processes, if any, and the KV event publisher; the engine cannot
         step afterwards."""
+        if self._pipeline is not None:
+            self._pipeline.close()
         self.executor.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -386,10 +398,26 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[EngineOutput]:
+        if self._pipeline is not None:
+            return self._pipeline.step()
+        return self.sync_step()
+
+    def sync_step(self) -> list[EngineOutput]:
+        """One step start to end: nothing runs before or after it."""
+        step = self.plan_step()
+        if not isinstance(step, PlannedStep):
+            self._publish_kv_events()
+            return step
+        if self.pooler is not None:
+            return list(self._pool(step.out, step.batch.host))
+        return self.emit_step(self.apply_step(step, self.executor.execute(step.batch.host)))
+
+    def plan_step(self) -> PlannedStep | list[EngineOutput]:
+        """Schedule the next step and build its batch; the outputs of what ended instead (no
+        step: nothing to run, or an adapter that failed to load)."""
         self.kv.begin_step()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            self._publish_kv_events()
             return []
         slot_of = None
         if self.loras is not None:
@@ -402,19 +430,28 @@ class LLMEngine:
             [self.requests[s.seq.request_id] for s in out.scheduled], out.num_tokens, time.time()
         )
         self.step_shape = (len(out.scheduled), out.num_tokens)
-        batch = build_step_batch(out, self.block_size, slot_of)
-        if self.pooler is not None:
-            return list(self._pool(out, batch.host))
-        logits = self.executor.execute(batch.host)
+        return PlannedStep(out, build_step_batch(out, self.block_size, slot_of))
+
+    def apply_step(self, step: PlannedStep, logits: torch.Tensor) -> AppliedStep:
+        """Sample the step's rows and let the scheduler take its results (stop tokens, lengths
+        and grammars end sequences here). Rows of sequences that ended or were preempted since
+        the step was scheduled are discarded."""
+        out, rows = step.live()
         # From here on the work is per request: one that raises ends alone, with an error.
         failures = RequestFailures()
-        self._record_prompt_logprobs(out, batch.logits_rows, logits, failures)
-        samples = self._sample(out, batch.logits_rows, logits, failures)
+        self._record_prompt_logprobs(out, rows, logits, failures)
+        samples = self._sample(out, rows, logits, failures)
         self.scheduler.update_from_output(out, samples, self.max_model_len, failures)
-        outputs = self._make_outputs(out.samplers, samples, failures)
+        return AppliedStep(out, rows, logits, samples, failures)
+
+    def emit_step(self, step: AppliedStep) -> list[EngineOutput]:
+        """The step's outputs: new text (a stop string found in it ends its sequence), beam
+        steps, the requests that failed."""
+        out = step.out
+        outputs = self._make_outputs(out.samplers, step.samples, step.failures)
         if out.has_beam_rows:
-            outputs.extend(self._beam_step(out, batch.logits_rows, logits, failures))
-        outputs.extend(self._end_failed(failures))
+            outputs.extend(self._beam_step(out, step.logits_rows, step.logits, step.failures))
+        outputs.extend(self._end_failed(step.failures))
         self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
         return outputs
 
@@ -463,6 +500,7 @@ class LLMEngine:
         request, exc = broken
         log.error("LoRA adapter %r failed to load; its requests end: %s", request.lora_name, exc)
         self.kv.unregister_step()  # first: the aborted requests' blocks must not stay cached
+        self.scheduler.unschedule(out)
         self.kv.pending_copies[:0] = out.block_copies
         under = {seq.request_id for seq in self.scheduler.running + list(self.scheduler.waiting)}
         outputs = []
@@ -559,6 +597,7 @@ class LLMEngine:
             seq = s.seq
             assert seq.pooling is not None and s.num_new_tokens == seq.num_tokens
             seq.num_computed_tokens += s.num_new_tokens
+            seq.num_inflight_tokens -= s.num_new_tokens
             seq.finish_reason = "stop"
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)

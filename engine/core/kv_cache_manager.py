@@ -3,8 +3,8 @@
 A full block is identified by a chained hash: hash(parent block's hash, this block's tokens),
 so equal hashes mean equal whole prefixes. The first block's parent is the sequence's LoRA
 adapter's salt (empty for the base model), so no prefix is shared across adapters. Blocks are registered in the cache as soon as they
-are scheduled full: their tokens are known then, and their K/V is written in the same forward
-pass, before any attention reads it.
+are scheduled full with known tokens (a token still being sampled waits for the sequence's next
+step): their K/V is written by that step or one before it, before any attention reads it.
 
 When every layer attends through a sliding window, a block whose tokens all lie before the
 window of the next query is read by no layer again: it goes back to the pool (keeping its
@@ -100,7 +100,7 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         bs = self.block_size
         table = self.tables.setdefault(seq.seq_id, [])
-        start = seq.num_computed_tokens + len(computed_blocks) * bs
+        start = seq.num_planned_computed + len(computed_blocks) * bs
         end = start + num_new_tokens
         num_new_blocks = max(0, -(-end // bs) - len(table) - len(computed_blocks))
         # The first block written may be a partial block shared with a forked sibling.
@@ -122,7 +122,9 @@ class KVCacheManager:
             self.pool.release([shared])
             table[start // bs] = private
         table.extend(self.pool.allocate(num_new_blocks))
-        self._register_full_blocks(seq, table, end // bs)
+        # Only blocks whose tokens are all known: a token still being sampled (async scheduling)
+        # completes its block's hash at the sequence's next step.
+        self._register_full_blocks(seq, table, min(end, seq.num_tokens) // bs)
         self._release_slid_past(seq.seq_id, table, start)
         return table
 
@@ -205,13 +207,14 @@ class KVCacheManager:
         The child's tokens equal the parent's up to `num_shared_tokens` (the prompt, unless
         told more: a beam forks with all of its parent's tokens), so their blocks' hashes
         are the parent's."""
-        table = list(self.tables[parent.seq_id])
+        shared = child.num_prompt_tokens if num_shared_tokens is None else num_shared_tokens
+        # Only the shared tokens' blocks: the parent may already hold one for its next token.
+        table = self.tables[parent.seq_id][: -(-shared // self.block_size)]
         for block_id in table:
             if block_id != SLID_PAST:
                 self.pool.take(block_id)
         self.tables[child.seq_id] = table
         self._num_slid[child.seq_id] = self._num_slid.get(parent.seq_id, 0)
-        shared = child.num_prompt_tokens if num_shared_tokens is None else num_shared_tokens
         num_shared_blocks = shared // self.block_size
         self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:num_shared_blocks]
         self._num_registered[child.seq_id] = min(

@@ -86,7 +86,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_planned_tokens - seq.num_planned_computed, budget)
             if num_new == 0:  # a beam whose row is in, waiting for its siblings' rows
                 i += 1
                 continue
@@ -97,7 +97,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, num_new, table))
+                out.scheduled.append(
+                    ScheduledSequence(seq, num_new, table, seq.num_planned_computed)
+                )
                 budget -= num_new
                 i += 1
 
@@ -108,13 +110,28 @@ class Scheduler:
         if not out.scheduled and self.running and self.waiting:
             self._unblock_beams(budget, out)
         for s in out.scheduled:
-            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
-                if s.seq.beam is None:
-                    s.samplers = [s.seq, *s.seq.forks]
+            seq = s.seq
+            end = s.start + s.num_new_tokens
+            if end == seq.num_planned_tokens:
+                if seq.beam is None:
+                    # Siblings fork at the prompt's end, not at a step planned after it (async
+                    # scheduling plans one before the prompt's step has forked them).
+                    s.samplers = [seq, *seq.forks] if end == seq.num_prompt_tokens else [seq]
                 else:
                     s.beam_row = out.has_beam_rows = True
+            # Planned until the step's results are applied (`update_from_output`), so that a
+            # step scheduled before then (async scheduling) starts after this one.
+            seq.num_inflight_tokens += s.num_new_tokens
+            seq.num_pending_tokens += int(s.samples_token)
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """The step will not run: its sequences are planned as if it had not been scheduled
+        (their blocks stay allocated, for the step that computes them)."""
+        for s in out.scheduled:
+            s.seq.num_inflight_tokens -= s.num_new_tokens
+            s.seq.num_pending_tokens -= int(s.samples_token)
 
     def _admit(
         self, budget: int, out: SchedulerOutput, below: tuple[int, float] | None = None
@@ -154,7 +171,7 @@ class Scheduler:
             seq.num_computed_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new, table))
+            out.scheduled.append(ScheduledSequence(seq, num_new, table, seq.num_computed_tokens))
             budget -= num_new
 
     def _unblock_beams(self, budget: int, out: SchedulerOutput) -> None:
@@ -229,7 +246,8 @@ class Scheduler:
         if seq.beam is not None:
             seq.beam.drop_row(seq)
         self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        # A step still running for it is discarded when it ends (async scheduling).
+        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         seq.kv_wait_since = time.time()  # until readmitted, it waits for room in the pool
@@ -258,6 +276,8 @@ class Scheduler:
             if failures.failed(s.seq.request_id):
                 continue
             s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_inflight_tokens -= s.num_new_tokens
+            s.seq.num_pending_tokens -= int(s.samples_token)
             if s.seq.forks and s.samples_token:
                 self._fork(s.seq)
         for seq, sample in zip(out.samplers, samples, strict=True):

@@ -14,6 +14,8 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     block_table: list[int]
+    # The first position the step computes (the sequence's planned computed tokens).
+    start: int = 0
     # Who samples a token from this sequence's last row: nobody while its prompt is still
     # being chunked; else the sequence, then the siblings that fork from it at this step.
     samplers: list[Sequence] = field(default_factory=list)

@@ -50,6 +50,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Scheduled in steps whose results are not applied yet (async scheduling plans the next
+    # step while one runs): their tokens, and the sampled tokens they will append.
+    num_inflight_tokens: int = 0
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     # Waiting for KV room: since when (refused blocks at the head of the queue, or preempted),
@@ -87,6 +91,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_planned_computed(self) -> int:
+        """Tokens computed once the steps already scheduled have run."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens the sequence will have once the steps already scheduled have sampled."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

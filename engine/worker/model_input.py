@@ -41,7 +41,7 @@ class HostBatch:
     # Per request, the LoRA slot its rows run under (-1: the base model); empty without LoRA.
     lora_slots: list[int] = field(default_factory=list)
     # The packed form, kept once made: rank 0 packs a step for the pipe and for its own upload,
-    # a worker receives it packed. A batch is never changed after it is built.
+    # a worker receives it packed. A batch is never changed after it is packed.
     _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def pack(self) -> torch.Tensor:
@@ -167,6 +167,18 @@ class StepBatch:
     host: HostBatch
     # Per scheduled sequence, its rows in the logits: (first, count); count 0 when none.
     logits_rows: list[tuple[int, int]]
+    # Input rows whose token the step before is still sampling (async scheduling): (row,
+    # sequence, position), filled by `fill_pending_tokens` once that step's results are in.
+    pending: list[tuple[int, Sequence, int]] = field(default_factory=list)
+
+    def fill_pending_tokens(self) -> None:
+        """Each pending row takes its sequence's token, sampled since; a sequence that took
+        none (it failed or was preempted) has its row discarded, so any id will do."""
+        assert self.host._packed is None, "filled after it was packed"
+        ids = self.host.input_ids
+        for row, seq, position in self.pending:
+            ids[row] = seq.all_token_ids[position] if position < seq.num_tokens else 0
+        self.pending = []
 
 
 def build_step_batch(
@@ -180,11 +192,16 @@ def build_step_batch(
     context_lens: list[int] = []
     logits_indices: list[int] = []
     logits_rows: list[tuple[int, int]] = []
+    pending: list[tuple[int, Sequence, int]] = []
     for s in out.scheduled:
         seq = s.seq
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        start, end = s.start, s.start + s.num_new_tokens
         row0 = len(input_ids)
-        input_ids.extend(seq.all_token_ids[start:end])
+        known = seq.all_token_ids[start:end]
+        input_ids.extend(known)
+        for position in range(start + len(known), end):  # tokens not sampled yet
+            pending.append((len(input_ids), seq, position))
+            input_ids.append(0)
         positions.extend(range(start, end))
         table = s.block_table
         slots.extend(
@@ -220,4 +237,4 @@ def build_step_batch(
         out.block_copies,
         [lora_slot(s.seq) for s in out.scheduled] if lora_slot is not None else [],
     )
-    return StepBatch(host, logits_rows)
+    return StepBatch(host, logits_rows, pending)
