@@ -42,9 +42,22 @@ class PreNormLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x, ctx.fused), ctx)
-        h, x = self.post_attention_layernorm.add_forward(attn, x, ctx.fused)
-        return x + self.mlp(h, ctx.fused)
+        out, residual = self.forward_carry(x, None, ctx)
+        return residual + out
+
+    def forward_carry(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual it is to be added to): the layer without its last
+        add, which the next layer's input norm then does in its fused add + norm. `residual`
+        None: `x` is the layer's whole input (the first layer's embeddings)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, ctx.fused), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, ctx.fused)
+        attn = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(attn, residual, ctx.fused)
+        return self.mlp(h, ctx.fused), residual
 
 
 class LlamaForCausalLM(DecoderModel):

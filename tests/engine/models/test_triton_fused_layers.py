@@ -1,5 +1,6 @@
-"""A decoder given the GPU's fused Triton ops (kernels/triton/fused_ops.py, as
-engine/worker/gpu_fused_ops.py gives them on CUDA) computes what its torch ops compute: the
+"""A decoder given the GPU's fused Triton ops (kernels/triton/fused_ops.py) as
+engine/worker/gpu_fused_ops.py gives them on CUDA (with pre-norm layers, the loop that leaves
+each layer's last residual add to the next one's norm) computes what its torch ops compute: the
 same hidden states and the same K/V in the paged cache, over a prefill step and the decode
 step after it (which reads the K/V the fused kernel stored, the backend storing nothing). Run
 here on the CPU under Triton's interpreter with the torch attention backend, float32: Qwen3
@@ -22,6 +23,7 @@ from engine.distributed.shard import Shard
 from engine.loading.model_loader import load_model
 from engine.loading.model_spec import resolve_model_spec
 from engine.models.base import DecoderModel
+from engine.worker.gpu_fused_ops import CarriedResidualLayers, give_fused_ops
 from kernels.attention import AttentionMetadata
 from kernels.attention.torch_ref import TorchReferenceBackend
 from kernels.triton import fused_ops
@@ -106,7 +108,9 @@ def test_fused_ops_compute_what_the_torch_ops_compute(
 ) -> None:
     model = _model(request.getfixturevalue(folder))
     want_hidden, want_caches = _run(model)
-    model.fused_ops = fused_ops
+    give_fused_ops(model, fused_ops)
+    # Gemma's layers norm their output too: they keep the plain loop.
+    assert isinstance(model.layers_runner, CarriedResidualLayers) == (folder != "gemma3_dir")
     got_hidden, got_caches = _run(model)
     for got, want in zip(got_hidden, want_hidden):
         torch.testing.assert_close(got[: sum(PROMPTS)], want[: sum(PROMPTS)], atol=2e-5, rtol=1e-5)
