@@ -1,6 +1,7 @@
 """On a CUDA GPU (skipped without one; bench/gpu_check.sh runs tests/gpu): the decoder layers'
 fused Triton kernels (kernels/triton/fused_ops.py, on by default) against the torch ops they
-replace (--no-fused-kernels), float32, CUDA graphs on: the same greedy tokens and logprobs
+replace (--no-fused-kernels), float32, CUDA graphs on, each layer's last residual add carried to
+the next one's fused add + norm: the same greedy tokens and logprobs
 within 1e-4, on the default model (SmolLM2, real weights, Llama layers), a random Llama (GQA
 4:1, Llama-3 RoPE) and a random Qwen3 (q/k norms before the fused rotary + K/V store), over
 prefill chunks, cached prefixes and decode."""
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.models.base import DecoderModel
+from engine.worker.gpu_fused_ops import CarriedResidualLayers
 from kernels.triton import fused_ops
 from tests.support.prompts import shared_prefix_prompts
 
@@ -65,6 +67,7 @@ def test_fused_kernels_give_the_torch_ops_tokens(
         assert runner.graphs is not None
         assert isinstance(runner.model, DecoderModel)
         assert runner.model.fused_ops is (fused_ops if fused else None)
+        assert isinstance(runner.model.layers_runner, CarriedResidualLayers) == fused
         results[fused] = llm.generate(prompts, params)
         del llm, runner
         gc.collect()
