@@ -1,10 +1,9 @@
-"""On a CUDA GPU (skipped without one; bench/gpu_check.sh runs tests/gpu): the decoder layers'
-fused Triton kernels (kernels/triton/fused_ops.py, on by default) against the torch ops they
-replace (--no-fused-kernels), float32, CUDA graphs on, each layer's last residual add carried to
-the next one's fused add + norm: the same greedy tokens and logprobs
-within 1e-4, on the default model (SmolLM2, real weights, Llama layers), a random Llama (GQA
-4:1, Llama-3 RoPE) and a random Qwen3 (q/k norms before the fused rotary + K/V store), over
-prefill chunks, cached prefixes and decode."""
+"""On a CUDA GPU (skipped without one): the decoder layers' fused Triton kernels
+(kernels/triton/fused_ops.py, on by default, each layer's last residual add carried to the next
+one's add + norm) against the torch ops they replace (--no-fused-kernels), float32, CUDA graphs
+on: the same greedy tokens, and logprobs within 1e-4, on the default model (SmolLM2, real
+weights, Llama layers), a random Llama (GQA 4:1, Llama-3 RoPE) and a random Qwen3 (q/k norms
+before the fused rotary + K/V store), over prefill chunks, cached prefixes and decode."""
 
 from __future__ import annotations
 
