@@ -17,14 +17,13 @@ from engine import RequestOutput, SamplingParams
 from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputsParams
-from server.http.streaming import event_stream, last_output, sse, until_disconnected
+from server.http.streaming import event_stream, last_output, until_disconnected
 from server.openai.chat.generic_tools import generic_messages
 from server.openai.chat.output import ChoiceShaper, ended_by_itself, whole_message
 from server.openai.chat.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     Delta,
 )
@@ -39,6 +38,7 @@ from server.openai.inputs import (
 from server.openai.logprobs import chat_logprobs
 from server.openai.parsers import reasoning_parser_for
 from server.openai.protocol import ChatLogprobs, Usage
+from server.openai.stream_chunks import ChunkFrame, content_choice, model_choice
 from server.openai.usage import RunningUsage
 from server.state import ServerState
 
@@ -188,16 +188,8 @@ async def _stream(
     logprobs_of: LogprobsOf,
     shaper: Callable[[], ChoiceShaper],
 ) -> AsyncGenerator[str, None]:
-    exclude = None if req.include_usage else {"usage"}
     running = RunningUsage(len(prompt_ids), 1) if req.continuous_usage else None
-
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(
-            ChatCompletionChunk(
-                id=response_id, created=created, model=model, choices=choices, usage=usage
-            ),
-            exclude,
-        )
+    frame = ChunkFrame(response_id, "chat.completion.chunk", created, model, req.include_usage)
 
     finished: set[int] = set()
     sent_tokens = [0] * req.n
@@ -205,7 +197,7 @@ async def _stream(
     # The role comes first, in a delta of its own for every choice, as OpenAI sends it.
     for i in range(req.n):
         role = ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
-        yield chunk([role], running.now() if running else None)
+        yield frame.event([model_choice(role)], running.now() if running else None)
     final = None
     async for output in stream:
         final = output
@@ -231,13 +223,30 @@ async def _stream(
             usage = running.sent(c.index, len(c.token_ids)) if running else None
             for k, delta in enumerate(deltas):
                 last = k == len(deltas) - 1
-                choice = ChatChunkChoice(
-                    index=c.index,
-                    delta=delta,
-                    logprobs=logprobs if k == 0 else None,
-                    finish_reason=_finish_reason(c, shaping.num_calls > 0) if last else None,
-                    stop_reason=c.stop_reason if last else None,
-                )
-                yield chunk([choice], usage)
+                finish_reason = _finish_reason(c, shaping.num_calls > 0) if last else None
+                stop_reason = c.stop_reason if last else None
+                if _content_only(delta) and (k > 0 or logprobs is None):
+                    assert delta.content is not None
+                    choice = content_choice(c.index, delta.content, finish_reason, stop_reason)
+                else:
+                    choice = model_choice(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=delta,
+                            logprobs=logprobs if k == 0 else None,
+                            finish_reason=finish_reason,
+                            stop_reason=stop_reason,
+                        )
+                    )
+                yield frame.event([choice], usage)
     if req.include_usage and final is not None:
-        yield chunk([], Usage.of([final]))
+        yield frame.event([], Usage.of([final]))
+
+
+def _content_only(delta: Delta) -> bool:
+    return (
+        delta.content is not None
+        and delta.role is None
+        and delta.reasoning_content is None
+        and delta.tool_calls is None
+    )

@@ -19,11 +19,12 @@ from engine.client import EngineRequest
 from engine.outputs import CompletionOutput
 from engine.processing.tokenization import decode, encode
 from server.errors import invalid
-from server.http.streaming import event_stream, merge, sse, until_disconnected
+from server.http.streaming import event_stream, merge, until_disconnected
 from server.openai.completions.protocol import Completion, CompletionChoice, CompletionRequest
 from server.openai.inputs import check_unicode, engine_params, submit
 from server.openai.logprobs import add_completion_logprobs
 from server.openai.protocol import CompletionLogprobs, Usage
+from server.openai.stream_chunks import ChunkFrame, model_choice, text_choice
 from server.openai.usage import RunningUsage
 from server.state import ServerState
 
@@ -201,8 +202,8 @@ class _ChoiceWriter:
 
     def delta_choice(
         self, prompt_index: int, c: CompletionOutput, output: RequestOutput
-    ) -> CompletionChoice | None:
-        """What is new for this choice since its last chunk, or None if nothing is."""
+    ) -> str | None:
+        """What is new for this choice since its last chunk, encoded, or None if nothing is."""
         index = self.index(prompt_index, c.index)
         first = index not in self.offsets
         text = c.text_delta
@@ -223,12 +224,16 @@ class _ChoiceWriter:
         self.offsets[index] = offset
         if not text and not (logprobs and logprobs.tokens) and c.finish_reason is None:
             return None
-        return CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+        if logprobs is None:
+            return text_choice(index, text, c.finish_reason, c.stop_reason)
+        return model_choice(
+            CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
         )
 
 
@@ -239,7 +244,7 @@ async def _stream(
     created: int,
     model: str,
 ) -> AsyncGenerator[str, None]:
-    exclude = None if writer.req.include_usage else {"usage"}
+    frame = ChunkFrame(response_id, "text_completion", created, model, writer.req.include_usage)
     running = (
         RunningUsage(sum(len(p.token_ids) for p in writer.prompts), len(writer.prompts))
         if writer.req.continuous_usage
@@ -260,12 +265,9 @@ async def _stream(
             if c.finish_reason is not None:
                 finished.add(index)
             usage = running.sent(index, len(c.token_ids)) if running else None
-            chunk = Completion(
-                id=response_id, created=created, model=model, choices=[choice], usage=usage
-            )
-            yield sse(chunk, exclude)
+            yield frame.event([choice], usage)
         if output.finished:
             finals[prompt_index] = output
     if writer.req.include_usage:
         usage = Usage.of([finals[i] for i in range(len(writer.prompts))])
-        yield sse(Completion(id=response_id, created=created, model=model, choices=[], usage=usage))
+        yield frame.event([], usage)
