@@ -42,6 +42,8 @@ class Row:
     route: str
     streams: int
     tokens: int = 0
+    engine_tokens: int = 0  # what the stand-in emitted meanwhile
+    engine_seconds: float = 0.0  # from the start to its last token
     events: int = 0
     seconds: float = 0.0
     server_cpu: float = 0.0
@@ -58,6 +60,9 @@ class Row:
             "streams": self.streams,
             "server_tok_s": round(rate),
             "offered_tok_s": round(offered),
+            # The stand-in's own rate while serving: below offered, the engine thread itself
+            # was held back (the GIL, the CPU); near it, the loss is the frontend's backlog.
+            "engine_tok_s": round(self.engine_tokens / max(self.engine_seconds, 1e-9)),
             "ratio": round(rate / offered, 3),
             "itl_p50_ms": round(1000 * statistics.median(gaps), 2),
             "itl_p99_ms": round(1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2),
@@ -97,6 +102,12 @@ class Server:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the {name} server did not start") from None
                 time.sleep(0.5)
+
+    def tokens_emitted(self) -> tuple[int, float]:
+        """The stand-in's tokens so far, and when (time.time()) it emitted the last."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/standin/tokens") as answer:
+            got = json.load(answer)
+        return int(got["tokens"]), float(got["last"])
 
     def stop(self) -> None:
         self.process.terminate()
@@ -142,9 +153,12 @@ async def _load(server: Server, route: str, streams: int, rounds: int, max_token
             row.gaps.extend(b - a for a, b in itertools.pairwise(events))
 
     cpu_before, client_before = _cpu_seconds(server.process.pid), time.process_time()
-    started = time.perf_counter()
+    emitted, _ = server.tokens_emitted()
+    started, started_wall = time.perf_counter(), time.time()
     await asyncio.gather(*(one_stream(i) for i in range(streams)))
     row.seconds = time.perf_counter() - started
+    total, last = server.tokens_emitted()
+    row.engine_tokens, row.engine_seconds = total - emitted, last - started_wall
     row.server_cpu = _cpu_seconds(server.process.pid) - cpu_before
     row.client_cpu = time.process_time() - client_before
     client.close()

@@ -83,6 +83,7 @@ class StandInEngine:
         self._text_ids: list[int] = self.tokenizer.encode(_TEXT, add_special_tokens=False)
         self._next_tick: float | None = None
         self.tokens_emitted = 0
+        self.last_emitted = 0.0
 
     # ------------------------------------------------------------ what AsyncEngine calls
 
@@ -156,6 +157,8 @@ class StandInEngine:
                 del self.requests[request.request_id]
         self.step_shape = (running, running)
         self.tokens_emitted += running
+        if running:
+            self.last_emitted = time.time()
         return outputs
 
     # ------------------------------------------------------------ internals
@@ -235,6 +238,14 @@ def main() -> None:
     try:
         config = ServerConfig(host="127.0.0.1", port=args.port, responses_store="none")
         app = create_app(engine, config)
+        standin = cast(StandInEngine, engine.engine)
+
+        @app.get("/standin/tokens")
+        def tokens() -> dict[str, float]:
+            """Tokens emitted so far and when the last came (time.time()): the engine's own
+            rate under load, beside what the client read."""
+            return {"tokens": standin.tokens_emitted, "last": standin.last_emitted}
+
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:
         engine.shutdown()
