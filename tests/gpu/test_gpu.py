@@ -290,3 +290,33 @@ def test_sampling_runs_on_the_device_with_one_transfer_per_step() -> None:
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     # The float64 CDF on the GPU may round a draw onto the neighbouring token, rarely.
     assert sum(a == b for a, b in zip(got, want)) >= 7, (got, want)
+
+
+def test_async_scheduling_gives_the_synchronous_tokens(llama_dir: Path) -> None:
+    """CUDA graphs replayed from the model thread, a pool that preempts, chunked prompts,
+    sampled and greedy requests: the same tokens with the steps overlapped and without."""
+    prompts = _prompts(llama_dir)
+    params = [
+        SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=20 + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results = {}
+    for overlapped in (False, True):
+        llm = LLM(
+            str(llama_dir),
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            max_num_batched_tokens=48,
+            num_kv_blocks=24,
+            block_size=16,
+            max_model_len=256,
+            max_num_seqs=8,
+            async_scheduling=overlapped,
+        )
+        assert (llm.engine._pipeline is not None) == overlapped
+        assert llm.engine.executor.runner.graphs is not None
+        results[overlapped] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        _release()
+    assert results[True] == results[False]
