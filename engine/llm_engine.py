@@ -81,6 +81,7 @@ class LLMEngine:
         self.config = config
         spec = resolve_model_spec(config)
         self.spec = spec
+        self.async_scheduling = use_async_scheduling(config, spec)  # refused before any load
         self.model_path = spec.path
         self.vocab_size = spec.vocab_size
         self.block_size = spec.block_size
@@ -178,9 +179,9 @@ class LLMEngine:
         self._recorder = StatsRecorder()
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
         self._pipeline: StepPipeline | None = None
-        if use_async_scheduling(config, spec):
+        if self.async_scheduling:
             self._pipeline = StepPipeline(self, self.executor.execute, self._has_beams)
-        log.info("async scheduling %s", "on" if self._pipeline is not None else "off")
+        log.info("async scheduling %s", "on" if self.async_scheduling else "off")
 
     def _has_beams(self) -> bool:
         """A beam search is running or waiting: its steps run alone (async scheduling)."""

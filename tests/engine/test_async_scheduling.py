@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from config import ConfigError
+from config import ConfigError, EngineConfig
+from engine.async_scheduling.choice import use_async_scheduling
 from engine.beam_search import BeamSearchParams
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.loading.model_spec import resolve_model_spec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -184,16 +186,22 @@ def test_a_stop_string_ends_the_output_at_the_same_token(engines: dict[bool, LLM
     assert_pool_whole(engines[True].engine)
 
 
-def test_the_flag_is_refused_where_steps_cannot_overlap(qwen3_dir: Path) -> None:
-    settings = engine_settings(qwen3_dir, True) | {"enable_lora": True}
-    with pytest.raises(ConfigError, match="--async-scheduling: LoRA adapters"):
-        LLM(**settings)
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"enable_lora": True}, "LoRA adapters are loaded into their slots between steps"),
+        ({"runner": "pooling"}, "a pooling model's steps sample nothing"),
+    ],
+)
+def test_the_flag_is_refused_where_steps_cannot_overlap(
+    qwen3_dir: Path, settings: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"--async-scheduling: {reason}"):
+        LLM(**engine_settings(qwen3_dir, True) | settings)
 
 
 def test_unset_it_is_off_on_the_cpu(qwen3_dir: Path) -> None:
-    settings = engine_settings(qwen3_dir, True) | {"async_scheduling": None}
-    llm = LLM(**settings)
-    try:
-        assert llm.engine._pipeline is None
-    finally:
-        llm.engine.close()
+    config = EngineConfig.from_kwargs(
+        **engine_settings(qwen3_dir, True) | {"async_scheduling": None}
+    )
+    assert not use_async_scheduling(config, resolve_model_spec(config))
