@@ -114,11 +114,12 @@ class Server:
         self.process.wait(30)
 
 
-def _body(route: str, i: int, max_tokens: int) -> bytes:
+def _body(route: str, i: int, max_tokens: int, n: int) -> bytes:
     words = f"Request {i}: tell me about the river"
     body: dict[str, object] = {
         "model": "SmolLM2-135M-Instruct",
         "max_tokens": max_tokens,
+        "n": n,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -130,7 +131,9 @@ def _body(route: str, i: int, max_tokens: int) -> bytes:
     return json.dumps(body).encode()
 
 
-async def _load(server: Server, route: str, streams: int, rounds: int, max_tokens: int) -> Row:
+async def _load(
+    server: Server, route: str, streams: int, rounds: int, max_tokens: int, n: int = 1
+) -> Row:
     row = Row(server.name, route, streams)
     client = SSEClient(f"http://127.0.0.1:{server.port}{ROUTES[route]}")
 
@@ -144,7 +147,7 @@ async def _load(server: Server, route: str, streams: int, rounds: int, max_token
                 elif payload != b"[DONE]":
                     times.append(time.perf_counter())
 
-            end = await client.post(_body(route, i * rounds + r, max_tokens), on_data)
+            end = await client.post(_body(route, i * rounds + r, max_tokens, n), on_data)
             if end.status != 200 or not end.done:
                 row.errors += 1
             # Chat's first event is the role, sent before any token: its gap is not a token's.
@@ -176,6 +179,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--n", type=int, default=1, help="samples per request (n)")
     parser.add_argument("--rounds", type=int, default=2, help="requests each stream sends in turn")
     parser.add_argument("--repeats", type=int, default=1, help="times each row runs (alternated)")
     parser.add_argument("--step-ms", type=float, default=10.0)
@@ -185,7 +189,8 @@ def main() -> None:
     # NAME=PATH, then arguments for that server alone: --root "plain=. --no-coalesce".
     roots = [r.split("=", 1) for r in args.root] or [["this", "."]]
     offered = {
-        n: offline_rate(args.step_ms / 1000, n, args.max_tokens) for n in sorted(set(args.streams))
+        n: offline_rate(args.step_ms / 1000, n * args.n, args.max_tokens)
+        for n in sorted(set(args.streams))
     }
     servers = []
     for name, value in roots:
@@ -198,7 +203,7 @@ def main() -> None:
                 for n in args.streams:
                     for server in servers:
                         asyncio.run(_load(server, route, 4, 1, 8))  # warm the route up
-                        row = _load(server, route, n, args.rounds, args.max_tokens)
+                        row = _load(server, route, n, args.rounds, args.max_tokens, args.n)
                         summary = asyncio.run(row).summary(offered[n])
                         print(json.dumps(summary), flush=True)
                         rows.append(summary)
