@@ -26,6 +26,7 @@ import torch
 
 from engine.core.request_failures import RequestFailures
 from engine.core.scheduler_output import Sample, SchedulerOutput
+from engine.daemon_pool import DaemonThreadPool
 from engine.outputs import EngineOutput
 from engine.worker.model_input import HostBatch, StepBatch
 
@@ -100,7 +101,8 @@ class StepPipeline:
         # Whether the next step must run alone (a beam search's rows: its group forks and
         # prunes beams between steps).
         self.needs_sync = needs_sync
-        self._model = concurrent.futures.ThreadPoolExecutor(1, "pagedserve-model")
+        # A daemon thread: a step stuck in the model must not hold up the process's exit.
+        self._model = DaemonThreadPool(1, "pagedserve-model")
         self._running: tuple[PlannedStep, concurrent.futures.Future[torch.Tensor]] | None = None
 
     def step(self) -> list[EngineOutput]:
@@ -130,4 +132,5 @@ class StepPipeline:
         return self.engine.apply_step(step, logits.result())
 
     def close(self) -> None:
-        self._model.shutdown(wait=True, cancel_futures=True)
+        """Stop the model thread once its step, if any, is done (not waiting on a stuck one)."""
+        self._model.shutdown()
