@@ -134,9 +134,15 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
 
 
 @pytest.fixture(scope="module")
-def alone(qwen2_dir: Path) -> dict[str, list[list[int]]]:
+def engine(qwen2_dir: Path) -> LLMEngine:
+    """One engine for the module: each test leaves it idle with every block free (and checks
+    so), which is all the next one needs, and building one costs more than a test's requests."""
+    return _engine(qwen2_dir)
+
+
+@pytest.fixture(scope="module")
+def alone(engine: LLMEngine) -> dict[str, list[list[int]]]:
     """Each other request's tokens (every sample's), run by itself."""
-    engine = _engine(qwen2_dir)
     tokens = {}
     for rid, request in OTHERS.items():
         (out,) = _run(engine, {rid: request}).values()
@@ -148,9 +154,9 @@ def alone(qwen2_dir: Path) -> dict[str, list[list[int]]]:
     "stage", ["sample_row", "shared", "token", "text", "output", "beam_scoring"]
 )
 def test_a_failing_request_ends_alone_and_the_others_finish_exact(
-    stage: str, qwen2_dir: Path, alone: dict, monkeypatch: pytest.MonkeyPatch
+    stage: str, engine: LLMEngine, alone: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(qwen2_dir)
+    engine.take_stats()  # what the module's earlier requests left counted
     victim = _inject(stage, monkeypatch)
     finals = _run(engine, {**OTHERS, "victim": (VICTIM_PROMPT, victim)})
 
@@ -174,8 +180,7 @@ def test_a_failing_request_ends_alone_and_the_others_finish_exact(
     assert [c.token_ids for c in again.outputs] == alone["a"]
 
 
-def test_without_a_failure_nothing_is_reported(qwen2_dir: Path, alone: dict) -> None:
-    engine = _engine(qwen2_dir)
+def test_without_a_failure_nothing_is_reported(engine: LLMEngine, alone: dict) -> None:
     finals = _run(engine, {**OTHERS, "victim": (VICTIM_PROMPT, GREEDY)})
     assert all(out.error is None for out in finals.values())
     assert {rid: [c.token_ids for c in finals[rid].outputs] for rid in OTHERS} == alone
