@@ -1,6 +1,8 @@
 """Run-time adapter loads over real HTTP against hostile input, the server serving throughout:
 a named pipe for a file is refused at once, a read past --lora-load-timeout fails that load
-only, and a non-finite or non-positive alpha and a NaN weight are 400s."""
+only, and a non-finite or non-positive alpha and a NaN weight are 400s. Adapter names keep to a
+safe set, at run time (a 400 naming what is allowed, param lora_name) and in --lora-modules
+(refused at start-up), while hub-like names such as `org/adapter-v1.2` load and serve."""
 
 from __future__ import annotations
 
@@ -208,3 +210,29 @@ def test_a_non_finite_adapter_is_a_400(served, client, adapter, tmp_path):
     assert "model.layers.0.self_attn.v_proj: lora_B holds NaN or infinite values" in message
     assert {m.id for m in client.models.list().data} == {BASE}
     assert _healthy(served)
+
+
+BAD_NAMES = ["../x", "x/../y", "a\x00b", "a\nb", "a//b", "/a", "a/", "./a", "a b", "é", "a" * 257]
+
+
+def test_names_outside_the_safe_set_are_400s(served, client, adapter):
+    for name in BAD_NAMES:
+        message = _refused(_load(served, name, adapter), "lora_name")
+        assert "ASCII letters, digits and . _ - : @ +" in message, (name, message)
+    assert {m.id for m in client.models.list().data} == {BASE}
+    good = "org/adapter-v1.2"
+    loaded = _load(served, good, adapter)
+    assert loaded.status_code == 200, loaded.text
+    out = client.completions.create(model=good, prompt="Once", max_tokens=4, temperature=0)
+    assert out.model == good
+    assert httpx.post(
+        served.url + "/v1/unload_lora_adapter", json={"lora_name": good}, timeout=HTTP_TIMEOUT
+    ).is_success
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_lora_modules_refuse_the_same_names(name):
+    for text in (f"{name}=/adapters/a", json.dumps({"name": name, "path": "/adapters/a"})):
+        with pytest.raises(ValueError, match="is not allowed: a name has 1 to 256 characters"):
+            ServerConfig(lora_modules=[text])
+    assert ServerConfig(lora_modules=["org/adapter-v1.2@3:x+y_z=/adapters/a"]).lora_modules
