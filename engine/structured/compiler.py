@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from config import StructuredOutputsConfig
 from engine.errors import InvalidRequestError
+from engine.structured.bounded_strings import without_raw_controls
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schema import check_json_schema
 
@@ -41,6 +42,10 @@ def choice_grammar(choice: tuple[str, ...]) -> str:
 # The free-text branch of `json_or_text`: any text whose first character is neither "{" (the
 # JSON branch's) nor whitespace (which would hide which branch it is).
 TEXT_BRANCH = r"root ::= [^{ \t\r\n] [^]*"
+
+
+def _compilable(schema: str) -> str:
+    return json.dumps(without_raw_controls(json.loads(schema)))
 
 
 def _depth_and_properties(node: Any) -> tuple[int, int]:
@@ -156,7 +161,7 @@ class GrammarCompiler:
     def _json_or_text(self, schema: str) -> Any:
         import xgrammar as xgr
 
-        as_json = xgr.Grammar.from_json_schema(schema, **self._whitespace())
+        as_json = xgr.Grammar.from_json_schema(_compilable(schema), **self._whitespace())
         return xgr.Grammar.union(as_json, xgr.Grammar.from_ebnf(TEXT_BRANCH))
 
     def check(self, params: StructuredOutputsParams) -> None:
@@ -188,7 +193,9 @@ class GrammarCompiler:
         started = time.perf_counter()
         try:
             if params.json is not None:
-                grammar = compiler.compile_json_schema(params.json, **self._whitespace())
+                grammar = compiler.compile_json_schema(
+                    _compilable(params.json), **self._whitespace()
+                )
             elif params.json_object:
                 # Any object (OpenAI's JSON mode), with any members: not strict.
                 grammar = compiler.compile_json_schema(

@@ -298,6 +298,27 @@ def test_json_allows_bounded_whitespace_or_none(qwen3_dir: Path) -> None:
     assert not accepts(compact, tokenizer, '{\n  "a": 1\n}')
 
 
+@pytest.mark.parametrize("whitespace", [0, 4])
+def test_bounded_strings_admit_no_raw_control_character(qwen3_dir: Path, whitespace: int) -> None:
+    """xgrammar's own rule for a string with maxLength lets a raw tab in, which JSON forbids
+    (the random model wrote one): the bounds hold and control characters stay out."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    limits = StructuredOutputsConfig(json_whitespace=whitespace)
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), tokenizer.eos_token_id, limits)
+    properties = {"tag": {"type": "string", "minLength": 1, "maxLength": 4}}
+    # A property named like the keyword is a property, not a bound.
+    schema = {"type": "object", "properties": {**properties, "maxLength": {"type": "string"}}}
+    grammar = compiler.compile(StructuredOutputsParams.json_schema(schema))
+
+    def admits(tag: str) -> bool:
+        # The raw characters, unescaped (json.dumps would escape a tab); the object left open.
+        return accepts(grammar, tokenizer, '{"tag": "' + tag + '", "maxLength": "xxxxxxxxx"')
+
+    assert admits("ab蛟") and admits("a") and admits("a b")
+    assert not admits("a\tb") and not admits("\x01") and not admits("a\nb")
+    assert not admits("") and not admits("abcde")
+
+
 def test_the_cpu_mask_equals_xgrammars_apply() -> None:
     """The CPU path adds per-byte penalties instead of xgrammar's masked fill: same logits, for
     every row or a subset, a vocabulary that is not a multiple of 32, and bfloat16."""
