@@ -17,9 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from config import ServerConfig
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutput, SamplingParams
 from server.app import attach_metrics
 from tests.conftest import SERVER_SETTINGS
 from tests.support.server_harness import (
@@ -98,14 +99,37 @@ class HealthProbe:
                 self.latencies.append(time.monotonic() - start)
 
 
+STORM_PROMPTS = prompts(500, "Line")
+SMALL_POOL_PROMPTS = prompts(24, "Entry")
+SMALL_POOL_PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@dataclass
+class Offline:
+    """What the offline engine answers to each test's prompts, and its tokenizer."""
+
+    storm: list[RequestOutput]
+    small_pool: list[RequestOutput]
+    tokenizer: PreTrainedTokenizerBase
+
+
+@pytest.fixture(scope="module")
+def offline(default_model_dir: Path) -> Offline:
+    # One offline engine and one batch for both tests' expected tokens (greedy tokens do not
+    # depend on the batch: the storm itself checks that); the engine is freed on return.
+    llm = LLM(str(default_model_dir), **SERVER_SETTINGS)
+    storm_params = SamplingParams(temperature=0, max_tokens=STREAM_TOKENS)
+    outputs = llm.generate(
+        STORM_PROMPTS + SMALL_POOL_PROMPTS,
+        [storm_params] * len(STORM_PROMPTS) + [SMALL_POOL_PARAMS] * len(SMALL_POOL_PROMPTS),
+    )
+    return Offline(outputs[: len(STORM_PROMPTS)], outputs[len(STORM_PROMPTS) :], llm.tokenizer)
+
+
 def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(
-    server: RunningServer, default_model_dir: Path
+    server: RunningServer, offline: Offline
 ) -> None:
-    texts = prompts(500, "Line")
-    offline = LLM(str(default_model_dir), **SERVER_SETTINGS)
-    expected = offline.generate(texts, SamplingParams(temperature=0, max_tokens=STREAM_TOKENS))
-    tokenizer = offline.tokenizer
-    del offline
+    texts, expected, tokenizer = STORM_PROMPTS, offline.storm, offline.tokenizer
 
     async def main() -> list[StreamResult]:
         limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
@@ -205,12 +229,10 @@ def test_a_client_that_leaves_a_whole_answer_is_logged_as_no_error(
 
 
 def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
-    default_model_dir: Path,
+    default_model_dir: Path, offline: Offline
 ) -> None:
     """24 blocks of 16 tokens for 24 concurrent requests that each need up to 5 blocks."""
-    texts = prompts(24, "Entry")
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    expected = LLM(str(default_model_dir), **SERVER_SETTINGS).generate(texts, params)
+    texts, expected = SMALL_POOL_PROMPTS, offline.small_pool
     engine = start_engine(
         model=str(default_model_dir),
         num_kv_blocks=24,
@@ -227,7 +249,7 @@ def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
                 bodies = [
                     {
                         "prompt": p,
-                        "max_tokens": 48,
+                        "max_tokens": SMALL_POOL_PARAMS.max_tokens,
                         "temperature": 0,
                         "ignore_eos": True,
                         "logprobs": 0,
