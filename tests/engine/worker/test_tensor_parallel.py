@@ -1,12 +1,13 @@
 """Tensor parallelism on CPU (gloo, worker processes): greedy tokens with 2 and 4 ranks equal
 those of one rank, float32, on random-weight Llama models with 1, 2 and 4 KV heads and a Qwen3
 with 2 (more ranks than KV heads replicates them) and vocabularies that do not divide evenly, under
-chunked prefill, preemption and prefix caching; plus the pieces: shard arithmetic, a rank
-count that does not divide the model, the packed step batch, workers that stop with the
-engine."""
+chunked prefill, preemption and prefix caching, each run's workers stopping with its engine;
+plus the pieces: shard arithmetic, a rank count that does not divide the model, the packed step
+batch."""
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -48,17 +49,24 @@ def llama_kv4_dir(tmp_path_factory) -> Path:
 def run(
     model_dir: Path, regime: str, tensor_parallel_size: int
 ) -> tuple[list[list[int]], tuple[int, int]]:
-    """Greedy tokens of the regime's prompts, and (preemptions, prefix-cache hits)."""
+    """Greedy tokens of the regime's prompts, and (preemptions, prefix-cache hits). The LLM
+    runs one worker process per rank past the first, and closing it stops them (told to stop,
+    not killed) and leaves the process group."""
     kwargs, prompt_set = REGIMES[regime]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = cut_prompts(tokenizer) if prompt_set == "varied" else shared_prefix_prompts(tokenizer)
     with LLM(
         str(model_dir), max_num_seqs=8, tensor_parallel_size=tensor_parallel_size, **kwargs
     ) as llm:
+        workers = multiprocessing.active_children()
+        assert len(workers) == tensor_parallel_size - 1
         outputs = llm.generate(prompts, GREEDY)
         kv, stats = llm.engine.kv, llm.last_run_stats
         assert kv.pool.num_free == kv.pool.num_blocks
         counters = (stats.num_preemptions, stats.prefix_cache_hits)
+    assert all(not w.is_alive() and w.exitcode == 0 for w in workers)
+    assert not torch.distributed.is_initialized()
+    assert {o.outputs[0].finish_reason for o in outputs} == {"length"}
     return [o.outputs[0].token_ids for o in outputs], counters
 
 
@@ -108,8 +116,6 @@ def test_a_rank_count_that_does_not_divide_the_model_fails_before_starting(qwen3
         ModelLoadError, match=r"--tensor-parallel-size 3 does not divide the 4 attention heads"
     ):
         LLM(str(qwen3_dir), tensor_parallel_size=3)
-    import multiprocessing
-
     assert multiprocessing.active_children() == []  # refused before any worker was started
 
 
@@ -122,14 +128,3 @@ def test_packed_step_batch_round_trips() -> None:
     assert back.block_tables.dtype == torch.int32 and torch.equal(back.block_tables, tables)
     back.block_tables = batch.block_tables
     assert back == batch
-
-
-def test_workers_stop_with_the_engine(qwen3_dir: Path) -> None:
-    import multiprocessing
-
-    llm = LLM(str(qwen3_dir), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2)
-    [worker] = multiprocessing.active_children()
-    assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].finish_reason == "length"
-    llm.close()
-    assert not worker.is_alive() and worker.exitcode == 0  # told to stop, not killed
-    assert not torch.distributed.is_initialized()
