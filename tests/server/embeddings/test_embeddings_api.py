@@ -21,6 +21,7 @@ from tests.support.server_harness import (
     assert_openai_error,
     scrape,
     start_engine,
+    wait_until,
     wait_until_idle,
 )
 
@@ -263,12 +264,18 @@ def test_client_that_leaves_frees_its_work(server) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/embeddings", json=body, timeout=1.0)
     _assert_healthy(server)
-    after = scrape(server.url)
     key = (
         "pagedserve:request_success_total",
         tuple(sorted({"model_name": MODEL, "finished_reason": "abort"}.items())),
     )
-    assert after.get(key, 0.0) - before.get(key, 0.0) > 0
+    # The aborts are counted when the engine thread next records its stats, which may come
+    # just after the engine is seen idle.
+    after = wait_until(
+        lambda: scrape(server.url),
+        10,
+        until=lambda now: now.get(key, 0.0) - before.get(key, 0.0) > 0,
+        what="the aborted inputs to be counted",
+    )
     done = (
         "pagedserve:request_success_total",
         tuple(sorted({"model_name": MODEL, "finished_reason": "stop"}.items())),
