@@ -38,7 +38,7 @@ class PlannedStep:
 
     out: SchedulerOutput
     batch: StepBatch
-    preemptions: list[int] = field(default_factory=list)
+    preemptions: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.preemptions = [s.seq.num_preemptions for s in self.out.scheduled]
