@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from config.kv_events_config import KVEventsConfig, parse_kv_events_config
+from config.speculative_config import SpeculativeConfig, parse_speculative_config
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -223,6 +224,18 @@ class SchedulerConfig(_Strict):
         description="fcfs: requests in arrival order; priority: by each request's priority "
         "(lower first, then arrival), a running sequence of the lowest priority preempted first",
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description="speculative decoding, a JSON object of vLLM's keys: e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup) or '
+        '\'{"model": "<draft>", "num_speculative_tokens": 4}\' (a draft model); greedy '
+        "requests get exactly the tokens they get without it (default: off)",
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value: object) -> SpeculativeConfig | None:
+        return parse_speculative_config(value)
 
 
 class ParallelConfig(_Strict):

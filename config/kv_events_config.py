@@ -12,10 +12,11 @@ holds. The Python API has no --host and binds loopback.
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from config.json_settings import parse_json_settings
 
 WireFormat = Literal["array", "map"]
 
@@ -119,28 +120,4 @@ class KVEventsConfig(BaseModel):
 
 
 def parse_kv_events_config(value: object) -> KVEventsConfig | None:
-    """The setting from a JSON string (the flag, the environment), a mapping (a config file,
-    `LLM(...)`) or a built config; a ValueError that names the bad key otherwise."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object of settings, got {type(value).__name__}")
-    try:
-        return KVEventsConfig.model_validate(value)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(part) for part in err["loc"])
-            if not key:  # a rule across keys: its message names them
-                problems.append(str(err["msg"]).removeprefix("Value error, "))
-            elif err["type"] == "extra_forbidden":
-                known = ", ".join(KVEventsConfig.model_fields)
-                problems.append(f"unknown key {key!r} (known keys: {known})")
-            else:
-                problems.append(f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
-        raise ValueError("; ".join(problems)) from None
+    return parse_json_settings(value, KVEventsConfig)

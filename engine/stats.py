@@ -28,6 +28,27 @@ class FinishedRequest:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding since the previous snapshot, as vLLM counts it: a draft is one
+    sequence's guessed tokens in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: drafts whose token at position i was accepted (so non-increasing in i).
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_accepted - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, grow))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
 class EngineStats:
     # The state now.
     num_running: int = 0
@@ -51,3 +72,5 @@ class EngineStats:
     waiting_loras: list[str] = field(default_factory=list)
     # Adapters unloaded since the previous snapshot, once no request ran under them any more.
     unloaded_loras: list[str] = field(default_factory=list)
+    # Speculative decoding (--speculative-config) only.
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
