@@ -29,6 +29,8 @@ class EngineInfo:
     pooler: PoolerSpec | None = None
     max_num_batched_tokens: int = 2048  # a pooled input runs whole within one step's budget
     max_loras: int | None = None  # LoRA slots (--max-loras); None: LoRA is off
+    # Tokens guessed per sequence and step (--speculative-config); None: no speculation.
+    num_speculative_tokens: int | None = None
 
     @property
     def runner(self) -> str:

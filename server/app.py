@@ -82,6 +82,7 @@ def attach_metrics(engine: EngineClient, config: ServerConfig) -> EngineMetrics:
         info.max_model_len,
         MetricNames(config.metrics_names),
         info.max_loras,
+        info.num_speculative_tokens,
     )
     engine.on_stats = metrics.record
     return metrics

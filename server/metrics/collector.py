@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import EngineStats
 from server.metrics.names import MetricNames
+from server.metrics.spec_decode import SpecDecodeMetrics
 
 # Bucket boundaries as vLLM publishes them.
 TTFT_BUCKETS = [
@@ -115,8 +116,10 @@ class EngineMetrics:
         max_model_len: int,
         names: MetricNames | None = None,
         max_loras: int | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
-        """`max_loras`: the LoRA slots, when LoRA is on (its metrics exist only then)."""
+        """`max_loras`: the LoRA slots, when LoRA is on (its metrics exist only then);
+        `num_speculative_tokens`: the tokens guessed per step, when speculation is on (ditto)."""
         self.registry = registry
         names = names or MetricNames()
         fixed = names.labels
@@ -210,6 +213,9 @@ class EngineMetrics:
                 "lora_requests", "Requests finished under each LoRA adapter.", ("lora_name",)
             )
             self.lora = LoRAMetrics(registry, names, max_loras, per_adapter, m)
+        self.spec_decode: SpecDecodeMetrics | None = None
+        if num_speculative_tokens is not None:
+            self.spec_decode = SpecDecodeMetrics(registry, names, num_speculative_tokens, labels, m)
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""
@@ -237,6 +243,8 @@ class EngineMetrics:
             self.iteration.observe(tokens)
         if self.lora is not None:
             self.lora.record(stats)
+        if self.spec_decode is not None:
+            self.spec_decode.record(stats.spec_decode)
         for done in stats.finished:
             self.success[done.finish_reason].inc()
             self.e2e.observe(done.e2e_latency)

@@ -39,6 +39,10 @@ IN_VLLM = frozenset(
         "iteration_tokens_total",
         "cache_config_info",
         "lora_requests_info",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )
 
