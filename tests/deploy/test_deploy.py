@@ -21,12 +21,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import ServeConfig, ServerConfig
 from config.sources import serve_config
 from server.cli import build_parser
 from server.launch import GRACEFUL_SECONDS
+from server.metrics.collector import EngineMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -73,6 +75,10 @@ CHARTED_FAMILIES = {
     "request_kv_wait_time_seconds",
     "kv_preemptions",
     "kv_cache_free_blocks",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
 }
 
 # A metric selector in PromQL: the name (digits included: e2e_...) and, when present, its {matchers}.
@@ -98,20 +104,35 @@ def compose() -> dict[str, Any]:
     return data
 
 
-def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
-    """Family name -> (type, names of its samples) from a live /metrics page."""
-    response = httpx.get(url + "/metrics", timeout=30)
-    assert response.status_code == 200
+def families(text: str) -> dict[str, tuple[str, set[str]]]:
+    """Family name -> (type, names of its samples) from a /metrics page."""
     return {
         f.name: (f.type, {s.name for s in f.samples})
-        for f in text_string_to_metric_families(response.text)
+        for f in text_string_to_metric_families(text)
         if f.name.startswith("pagedserve:")
+    }
+
+
+def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
+    response = httpx.get(url + "/metrics", timeout=30)
+    assert response.status_code == 200
+    return families(response.text)
+
+
+def speculative_families() -> dict[str, tuple[str, set[str]]]:
+    """What a server started with --speculative-config adds to its page (the test server runs
+    without): the server's own collector with speculation on, rendered as /metrics renders it."""
+    metrics = EngineMetrics(CollectorRegistry(), "m", 16, 64, 128, num_speculative_tokens=2)
+    return {
+        name: family
+        for name, family in families(generate_latest(metrics.registry).decode()).items()
+        if "spec_decode" in name
     }
 
 
 @pytest.fixture(scope="module")
 def exposed(server) -> dict[str, tuple[str, set[str]]]:
-    return scrape(server.url)
+    return scrape(server.url) | speculative_families()
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -374,7 +395,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 25
+    assert len(exprs) == 28
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr
