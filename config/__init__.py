@@ -12,6 +12,7 @@ from config.engine_config import (
 )
 from config.kv_events_config import KVEventsConfig
 from config.server_config import LoRAModule, ServeConfig, ServerConfig
+from config.speculative_config import SpeculativeConfig
 
 __all__ = [
     "CacheConfig",
@@ -25,5 +26,6 @@ __all__ = [
     "SchedulerConfig",
     "ServeConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "StructuredOutputsConfig",
 ]

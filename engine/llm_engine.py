@@ -45,6 +45,7 @@ from engine.processing.output_processor import failed_output, make_output, updat
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import make_speculator
 from engine.stats import EngineStats
 from engine.stats_recorder import StatsRecorder
 from engine.structured import GrammarCompiler, GrammarState
@@ -164,6 +165,8 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_loras=max_loras,
         )
+        if config.scheduler.speculative_config is not None and self.pooler is not None:
+            raise ConfigError("--speculative-config: a pooling model generates no tokens")
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
         self.kv = KVCacheManager(
@@ -174,6 +177,7 @@ class LLMEngine:
         self._unloading: set[LoRARequest] = set()
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras)
         self.sampler = Sampler(config.model.seed)
+        self.speculator = make_speculator(config, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._recorder = StatsRecorder()
@@ -201,6 +205,11 @@ class LLMEngine:
         (InvalidRequestError); its grammar, if any, compiles."""
         self.info.validate(prompt_ids, params)
         self.info.check_priority(priority)
+        if params.use_beam_search and self.speculator is not None:
+            raise InvalidRequestError(
+                "beam search does not run with speculative decoding (--speculative-config)",
+                "use_beam_search",
+            )
         structured = params.structured_outputs
         return CheckedRequest(self.grammars.compile(structured) if structured else None)
 
@@ -386,6 +395,8 @@ class LLMEngine:
         step afterwards."""
         if self._pipeline is not None:
             self._pipeline.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.executor.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -411,7 +422,10 @@ class LLMEngine:
             return step
         if self.pooler is not None:
             return list(self._pool(step.out, step.batch.host))
-        return self.emit_step(self.apply_step(step, self.executor.execute(step.batch.host)))
+        outputs = self.emit_step(self.apply_step(step, self.executor.execute(step.batch.host)))
+        if self.speculator is not None:  # the next step's drafts, from the tokens taken now
+            self.speculator.propose(self.scheduler.running)
+        return outputs
 
     def plan_step(self) -> PlannedStep | list[EngineOutput]:
         """Schedule the next step and build its batch; the outputs of what ended instead (no
@@ -443,7 +457,12 @@ class LLMEngine:
         self._record_prompt_logprobs(out, rows, logits, failures)
         samples = self._sample(out, rows, logits, failures)
         self.scheduler.update_from_output(out, samples, self.max_model_len, failures)
-        return AppliedStep(out, rows, logits, samples, failures)
+        # Each sampler's tokens: one, or (speculative decoding) its drafts accepted and one more.
+        taken = {id(seq): [] if s is None else [s] for seq, s in zip(out.samplers, samples)}
+        if self.speculator is not None:
+            take = partial(self.scheduler.take, max_model_len=self.max_model_len)
+            self.speculator.verify(out, rows, logits, taken, self.sampler, take, failures)
+        return AppliedStep(out, rows, logits, [taken[id(seq)] for seq in out.samplers], failures)
 
     def emit_step(self, step: AppliedStep) -> list[EngineOutput]:
         """The step's outputs: new text (a stop string found in it ends its sequence), beam
@@ -629,8 +648,9 @@ class LLMEngine:
     ) -> list[Sample | None]:
         """Each sampler's token from its sequence's last row (siblings share their parent's);
         None for a sampler whose request failed."""
+        # The row after the sequence's own tokens (drafts' rows, if any, come after it).
         rows = [
-            logits[first + count - 1]
+            logits[first + count - 1 - len(s.draft_token_ids)]
             for s, (first, count) in zip(out.scheduled, logits_rows)
             for _ in s.samplers
         ]
@@ -653,17 +673,17 @@ class LLMEngine:
         return self.sampler(row.unsqueeze(0).clone(), [seq])[0]
 
     def _make_outputs(
-        self, seqs: list[Sequence], samples: list[Sample | None], failures: RequestFailures
+        self, seqs: list[Sequence], samples: list[list[Sample]], failures: RequestFailures
     ) -> list[EngineOutput]:
         """The new text of every sequence that sampled (a stop string found in it finishes the
         sequence), then one output for each request they belong to."""
         touched: dict[str, Request] = {}
         now = time.time()
-        for seq, sample in zip(seqs, samples):
-            if sample is None or failures.failed(seq.request_id):
+        for seq, taken in zip(seqs, samples):
+            if not taken or failures.failed(seq.request_id):
                 continue
             request = self.requests[seq.request_id]
-            failures.run(request.request_id, partial(self._take_text, request, seq, sample, now))
+            failures.run(request.request_id, partial(self._take_text, request, seq, taken, now))
             touched[request.request_id] = request
         outputs: list[EngineOutput] = []
         for request in touched.values():
@@ -676,10 +696,24 @@ class LLMEngine:
                 del self.requests[request.request_id]
         return outputs
 
-    def _take_text(self, request: Request, seq: Sequence, sample: Sample, now: float) -> None:
-        self._recorder.token(request, seq, now)
+    def _take_text(self, request: Request, seq: Sequence, taken: list[Sample], now: float) -> None:
+        """The text of the tokens the sequence took this step; a stop string found after one
+        of them drops the ones after it."""
         was_finished = seq.is_finished
-        update_text(seq, request.texts[seq.index], sample.token_id)
+        first = seq.num_output_tokens - len(taken)  # the index of the step's first token
+        for i, sample in enumerate(taken):
+            if i < len(taken) - 1:  # the sequence has more: it finished no earlier than them
+                reason, stop = seq.finish_reason, seq.stop_reason
+                seq.finish_reason = seq.stop_reason = None
+                update_text(seq, request.texts[seq.index], sample.token_id, first + i + 1)
+                if seq.finish_reason is not None:  # a stop string: the tokens after it go
+                    seq.truncate_output(first + i + 1)
+                    taken = taken[: i + 1]
+                    break
+                seq.finish_reason, seq.stop_reason = reason, stop
+            else:
+                update_text(seq, request.texts[seq.index], sample.token_id)
+        self._recorder.token(request, seq, now, count=len(taken))
         if seq.finish_reason is not None and not was_finished:
             self.scheduler.finish(seq)
 
@@ -698,6 +732,8 @@ class LLMEngine:
         stats.num_waiting = len(scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage()
         stats.num_free_blocks = self.kv.pool.num_free
+        if self.speculator is not None:
+            stats.spec_decode = self.speculator.take_stats()
         if self.kv_events is not None:
             stats.kv_events_dropped = self.kv_events.take_dropped()
         if self.loras is not None:

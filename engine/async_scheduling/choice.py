@@ -14,6 +14,8 @@ def async_off_reason(config: EngineConfig, spec: ModelSpec) -> str | None:
         return "LoRA adapters are loaded into their slots between steps (--enable-lora)"
     if spec.tensor_parallel_size > 1:
         return "tensor-parallel steps are not overlapped (--tensor-parallel-size)"
+    if config.scheduler.speculative_config is not None:
+        return "a step's drafts are proposed from the step before's tokens (--speculative-config)"
     return None
 
 

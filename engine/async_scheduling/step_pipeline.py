@@ -71,7 +71,7 @@ class AppliedStep:
     out: SchedulerOutput
     logits_rows: list[tuple[int, int]]
     logits: torch.Tensor
-    samples: list[Sample | None]
+    samples: list[list[Sample]]  # per sampler, the tokens it took (none: it failed)
     failures: RequestFailures
 
 

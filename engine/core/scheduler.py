@@ -90,6 +90,11 @@ class Scheduler:
             if num_new == 0:  # a beam whose row is in, waiting for its siblings' rows
                 i += 1
                 continue
+            drafts: list[int] = []
+            if seq.spec_token_ids and seq.num_planned_tokens - seq.num_planned_computed == 1:
+                drafts = seq.spec_token_ids[: budget - 1]  # the budget counts every verified row
+                num_new += len(drafts)
+            seq.spec_token_ids = []
             while (table := self.kv.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim, "kv_cache")
@@ -98,7 +103,9 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(
-                    ScheduledSequence(seq, num_new, table, seq.num_planned_computed)
+                    ScheduledSequence(
+                        seq, num_new, table, seq.num_planned_computed, draft_token_ids=drafts
+                    )
                 )
                 budget -= num_new
                 i += 1
@@ -111,7 +118,7 @@ class Scheduler:
             self._unblock_beams(budget, out)
         for s in out.scheduled:
             seq = s.seq
-            end = s.start + s.num_new_tokens
+            end = s.start + s.num_real_tokens
             if end == seq.num_planned_tokens:
                 if seq.beam is None:
                     # Siblings fork at the prompt's end, not at a step planned after it (async
@@ -246,6 +253,7 @@ class Scheduler:
         if seq.beam is not None:
             seq.beam.drop_row(seq)
         self.kv.free(seq)
+        seq.spec_token_ids = []
         # A step still running for it is discarded when it ends (async scheduling).
         seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -282,9 +290,10 @@ class Scheduler:
                 self._fork(s.seq)
         for seq, sample in zip(out.samplers, samples, strict=True):
             if sample is not None:
-                failures.run(seq.request_id, partial(self._take, seq, sample, max_model_len))
+                failures.run(seq.request_id, partial(self.take, seq, sample, max_model_len))
 
-    def _take(self, seq: Sequence, sample: Sample, max_model_len: int) -> None:
+    def take(self, seq: Sequence, sample: Sample, max_model_len: int) -> None:
+        """The sequence takes a sampled token; one that ends it finishes it."""
         seq.append_token(sample.token_id)
         if seq.logprobs is not None and sample.logprobs is not None:
             seq.logprobs.append(sample.logprobs)

@@ -21,6 +21,14 @@ class ScheduledSequence:
     samplers: list[Sequence] = field(default_factory=list)
     # A beam whose last row goes to its beam group instead of a sampler.
     beam_row: bool = False
+    # Guessed tokens computed after the sequence's last one (speculative decoding): each of
+    # their rows is verified, and the first token the target disagrees with ends them.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """The tokens computed that are the sequence's own (all but the drafts)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
 
     @property
     def samples_token(self) -> bool:

@@ -76,6 +76,9 @@ class Sequence:
     beam: BeamRows | None = None
     # The LoRA adapter the sequence runs under; None: the base model.
     lora: LoRARequest | None = None
+    # Guesses of the tokens after its last one (speculative decoding), verified by its next
+    # step; consumed when that step is scheduled.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -125,3 +128,14 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` generated tokens (a stop string ended the
+        text at one of several tokens taken in one step)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop :]
+        if self.logprobs is not None:
+            del self.logprobs[num_output_tokens:]

@@ -7,10 +7,14 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.processing.request import Request, SequenceText
 
 
-def update_text(seq: Sequence, text: SequenceText, token_id: int) -> None:
+def update_text(
+    seq: Sequence, text: SequenceText, token_id: int, num_output_tokens: int | None = None
+) -> None:
     """Detokenize the new token (unless it ended the sequence as a stop token) and look for
-    stop strings, including ones that span several tokens."""
+    stop strings, including ones that span several tokens. `num_output_tokens`: the tokens
+    generated up to this one, when the sequence has taken more since (speculative decoding)."""
     params = seq.params
+    generated = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
     stopped_by_token = seq.finish_reason == "stop"
     checked = len(text.text)  # text before this token was already searched
     if not stopped_by_token:
@@ -19,7 +23,7 @@ def update_text(seq: Sequence, text: SequenceText, token_id: int) -> None:
         text.text += (
             text.detokenizer.flush()
         )  # an incomplete character held back, as decode shows it
-    if not params.stop_strings or stopped_by_token or seq.num_output_tokens < params.min_tokens:
+    if not params.stop_strings or stopped_by_token or generated < params.min_tokens:
         return
     # Only the new text, plus enough before it to catch a stop string spanning the boundary.
     longest = max(len(s) for s in params.stop_strings)

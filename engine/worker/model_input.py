@@ -196,12 +196,14 @@ def build_step_batch(
     for s in out.scheduled:
         seq = s.seq
         start, end = s.start, s.start + s.num_new_tokens
+        real_end = start + s.num_real_tokens
         row0 = len(input_ids)
-        known = seq.all_token_ids[start:end]
+        known = seq.all_token_ids[start:real_end]
         input_ids.extend(known)
-        for position in range(start + len(known), end):  # tokens not sampled yet
+        for position in range(start + len(known), real_end):  # tokens not sampled yet
             pending.append((len(input_ids), seq, position))
             input_ids.append(0)
+        input_ids.extend(s.draft_token_ids)
         positions.extend(range(start, end))
         table = s.block_table
         slots.extend(
@@ -210,8 +212,9 @@ def build_step_batch(
         query_lens.append(end - start)
         context_lens.append(end)
         first = len(logits_indices)
-        if seq.wants_prompt_logprobs:
-            # Every row of the chunk: row p predicts token p + 1 of the prompt.
+        if seq.wants_prompt_logprobs or s.draft_token_ids:
+            # Every row of the chunk: row p predicts token p + 1 of the prompt, or verifies
+            # the draft at p + 1.
             logits_indices.extend(range(row0, row0 + end - start))
         elif s.samples_token or s.beam_row:
             logits_indices.append(row0 + end - start - 1)
