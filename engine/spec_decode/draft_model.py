@@ -14,7 +14,7 @@ depends on the draft's K/V, only how many drafts are accepted does.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -132,7 +132,7 @@ class _DraftState:
     preemptions: int  # the sequence's count when it was computed: a preemption frees its blocks
     # The drafts whose K/V follows `computed` (all but the last, which was never run): valid
     # as far as the sequence took them, which verification does for a prefix of them.
-    fed: list[int] = field(default_factory=list)
+    fed: list[int]
 
     def valid_positions(self, seq: Sequence) -> int:
         """Leading positions whose draft K/V was computed from the sequence's tokens."""
@@ -203,6 +203,8 @@ class DraftModelProposer:
             table = self.kv.allocate_slots(seq, 1 + count)
             if table is None:
                 continue
+            # A sequence new here runs from its start: blocks it took from the prefix cache may
+            # come from steps that did not speculate, with no draft K/V in them.
             state = self.states.get(seq.seq_id)
             valid = 0 if state is None else state.valid_positions(seq)
             # At least the last token is run: its logits give the first draft.
