@@ -151,6 +151,7 @@ class LLMEngine:
             self.executor.close()
             raise
         max_loras = config.lora.max_loras if config.lora.enable_lora else None
+        drafting = config.scheduler.speculative_config
         self.info = EngineInfo(
             model=config.model.model,
             model_path=str(self.model_path),
@@ -164,8 +165,9 @@ class LLMEngine:
             pooler=spec.pooler,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_loras=max_loras,
+            num_speculative_tokens=drafting.num_speculative_tokens if drafting else None,
         )
-        if config.scheduler.speculative_config is not None and self.pooler is not None:
+        if drafting is not None and self.pooler is not None:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None

@@ -101,12 +101,6 @@ def servers(default_model_dir: Path) -> Iterator[dict[str, RunningServer]]:
         engine.shutdown()
 
 
-# The engine does not yet say in its EngineInfo how many tokens it speculates, so the
-# collector publishes no spec-decode series (reading them raises KeyError). Strict: once
-# LLMEngine fills `num_speculative_tokens`, this passes and the marker must go.
-@pytest.mark.xfail(
-    raises=KeyError, strict=True, reason="EngineInfo.num_speculative_tokens is not filled yet"
-)
 def test_counters_hold_the_identities_under_both_names(
     servers: dict[str, RunningServer], tmp_path: Path
 ) -> None:
