@@ -45,7 +45,7 @@ from engine.processing.output_processor import failed_output, make_output, updat
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import make_speculator
+from engine.spec_decode import draft_kv_bytes_per_block, make_speculator
 from engine.stats import EngineStats
 from engine.stats_recorder import StatsRecorder
 from engine.structured import GrammarCompiler, GrammarState
@@ -88,7 +88,8 @@ class LLMEngine:
         self.block_size = spec.block_size
         self.max_model_len = spec.max_model_len
         self.pooler = spec.pooler
-        per_block = spec.kv_bytes_per_block
+        # A draft model's K/V lives in the same block ids: each block holds both.
+        per_block = spec.kv_bytes_per_block + draft_kv_bytes_per_block(config, spec)
         encoder = spec.info.encoder
         if encoder:
             num_blocks: int | None = bookkeeping_blocks(config, self.max_model_len, self.block_size)
@@ -111,16 +112,21 @@ class LLMEngine:
                 )
             self.kv_events = KVEventPublisher(events, CacheSpec(self.block_size, slide))
         try:
-            self._start(config, spec, num_blocks, slide)
+            self._start(config, spec, num_blocks, slide, per_block)
         except BaseException:
             if self.kv_events is not None:
                 self.kv_events.close()  # its thread frees the port as it ends
             raise
 
     def _start(
-        self, config: EngineConfig, spec: ModelSpec, num_blocks: int | None, slide: int | None
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        num_blocks: int | None,
+        slide: int | None,
+        per_block: int,
     ) -> None:
-        per_block, encoder = spec.kv_bytes_per_block, spec.info.encoder
+        encoder = spec.info.encoder
         # The tokenizer is read here, where it is used: tensor-parallel workers never need it.
         self.tokenizer = load_tokenizer(spec.tokenizer_path)
         # Thread-safe: the server compiles a request's grammar here before queueing it.
@@ -179,7 +185,7 @@ class LLMEngine:
         self._unloading: set[LoRARequest] = set()
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras)
         self.sampler = Sampler(config.model.seed)
-        self.speculator = make_speculator(config, self.max_model_len)
+        self.speculator = make_speculator(config, spec, self.kv, num_blocks)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._recorder = StatsRecorder()

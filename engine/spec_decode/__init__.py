@@ -3,15 +3,29 @@ next tokens, and the step verifies them (speculator.py)."""
 
 from __future__ import annotations
 
-from config import ConfigError, EngineConfig
+from config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.loading.model_spec import ModelSpec
+from engine.spec_decode import draft_model
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.speculator import Speculator
 
-__all__ = ["Speculator", "make_speculator"]
+__all__ = ["Speculator", "draft_kv_bytes_per_block", "make_speculator"]
 
 
-def make_speculator(config: EngineConfig, max_model_len: int) -> Speculator | None:
+def draft_kv_bytes_per_block(config: EngineConfig, target: ModelSpec) -> int:
+    """What a draft model adds to each KV block (0 for methods without one)."""
+    spec = config.scheduler.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return 0
+    return draft_model.draft_kv_bytes_per_block(config, target)
+
+
+def make_speculator(
+    config: EngineConfig, target: ModelSpec, kv: KVCacheManager, num_blocks: int
+) -> Speculator | None:
     spec = config.scheduler.speculative_config
     if spec is None:
         return None
@@ -20,5 +34,5 @@ def make_speculator(config: EngineConfig, max_model_len: int) -> Speculator | No
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        raise ConfigError(f"--speculative-config: method {spec.method!r} is not served here")
-    return Speculator(spec, proposer, max_model_len)
+        proposer = DraftModelProposer(config, target, kv, num_blocks)
+    return Speculator(spec, proposer, target.max_model_len)
