@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -147,3 +148,92 @@ def test_counters_hold_the_identities_under_both_names(
         assert shares == pytest.approx(
             {p: n / counts.drafts for p, n in counts.per_position.items()}
         )
+
+
+REQUESTS = [
+    ("completions", {"prompt": PASSAGE * 4, "max_tokens": 48, "logprobs": 2}),
+    ("completions", {"prompt": PASSAGE * 4, "max_tokens": 48, "stop": [" bridge"]}),
+    (
+        "completions",
+        {"prompt": PASSAGE * 3, "max_tokens": 30, "temperature": 0.8, "seed": 5, "n": 2},
+    ),
+    ("completions", {"prompt": PASSAGE * 3, "max_tokens": 30, "frequency_penalty": 0.6}),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": f"Repeat exactly: {PASSAGE * 2}"}],
+            "max_tokens": 60,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": f"Describe as JSON: {PASSAGE}"}],
+            "max_tokens": 50,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "place",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"river": {"type": "string"}, "bridge": {"type": "string"}},
+                        "required": ["river", "bridge"],
+                    },
+                },
+            },
+        },
+    ),
+]
+
+
+def streamed(client: openai.OpenAI, api: str, model: str, body: dict[str, Any]) -> list[Any]:
+    """Each choice's text, finish reason and token logprobs, from a streamed answer."""
+    body = {"temperature": 0, **body, "model": model, "stream": True}
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    tokens: dict[int, list[tuple[str, float]]] = {}
+    if api == "chat":
+        for chunk in client.chat.completions.create(**body):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+                for lp in (c.logprobs.content or []) if c.logprobs else []:
+                    tokens.setdefault(c.index, []).append((lp.token, lp.logprob))
+    else:
+        for chunk in client.completions.create(**body):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+                if c.logprobs and c.logprobs.tokens:
+                    pairs = zip(c.logprobs.tokens, c.logprobs.token_logprobs or [])
+                    tokens.setdefault(c.index, []).extend(pairs)
+    return [(texts[i], finish[i], tokens.get(i, [])) for i in sorted(texts)]
+
+
+def test_clients_get_what_the_server_without_speculation_gives(
+    servers: dict[str, RunningServer], server: RunningServer
+) -> None:
+    """Greedy and seeded requests, streamed through the official client, with logprobs, a stop
+    string, a penalty, n > 1 and a JSON schema: the same answers as the default server (the same
+    model, float32, no speculation), while the speculating one accepted drafts."""
+    before = spec_counts(servers["pagedserve"].url, "pagedserve")
+    clients = {
+        name: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for name, url in (("spec", servers["pagedserve"].url), ("plain", server.url))
+    }
+    for api, body in REQUESTS:
+        spec = streamed(clients["spec"], api, MODEL, body)
+        plain = streamed(clients["plain"], api, "smol", body)
+        assert [(text, reason) for text, reason, _ in spec] == [
+            (text, reason) for text, reason, _ in plain
+        ], (api, body)
+        for (*_, got), (*_, want) in zip(spec, plain, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-4)
+    for client in clients.values():
+        client.close()
+    wait_until_idle(servers["pagedserve"].engine)
+    after = spec_counts(servers["pagedserve"].url, "pagedserve")
+    assert after.accepted - before.accepted > 20
