@@ -163,6 +163,23 @@ def test_readme_kv_events_command_resolves_to_vllms_settings() -> None:
     assert config.engine.cache.block_size == 64 and config.server.metrics_names == "vllm"
 
 
+def test_readme_speculative_commands_resolve_to_vllms_settings() -> None:
+    """The README's two --speculative-config examples parse into the methods they name."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Speculative decoding\n") :]
+    (block,) = re.findall(r"```bash\n(.*?)```", section[: section.index("\n## ", 1)], re.S)
+    methods = []
+    for command in block.strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[:2] == ["pagedserve", "serve"]
+        args = vars(cli.build_parser().parse_args(argv[1:]))
+        args.pop("command")
+        spec = serve_config(args, {}, args.pop("config")).engine.scheduler.speculative_config
+        assert spec is not None and spec.num_speculative_tokens == 4
+        methods.append((spec.method, spec.model, spec.prompt_lookup_min, spec.prompt_lookup_max))
+    assert methods == [("ngram", None, 2, 5), ("draft_model", "/models/draft", None, None)]
+
+
 # --------------------------------------------------------------------------- the README, for real
 
 
