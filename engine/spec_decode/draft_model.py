@@ -79,13 +79,14 @@ def resolve_draft_spec(config: EngineConfig, target: ModelSpec) -> ModelSpec:
             config,
             "a draft model runs beside a target on one rank, not under --tensor-parallel-size > 1",
         )
-    if None not in target.info.sliding_windows:
-        # The target frees blocks behind its window; the draft's K/V of those positions goes
-        # with them, and the draft attends to all of its context.
+    windows = target.info.sliding_windows
+    if None not in windows and max(w for w in windows if w is not None) < target.max_model_len:
+        # The target frees the blocks behind its widest window; the draft's K/V of those
+        # positions goes with them, and the draft attends to all of its context.
         raise _refusal(
             config,
-            "the target attends through a sliding window on every layer, "
-            "which frees the blocks the draft's K/V lives in",
+            "the target attends through a sliding window on every layer, narrower than "
+            "--max-model-len: it frees blocks that hold the draft's K/V",
         )
     try:
         draft = resolve_model_spec(draft_engine_config(config, target))

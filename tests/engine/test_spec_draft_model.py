@@ -12,6 +12,7 @@ import torch
 from config import ConfigError, EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sequence import Sequence
+from engine.llm import LLM
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import DraftModelProposer, draft_kv_bytes_per_block
@@ -259,7 +260,79 @@ def test_a_draft_of_another_vocabulary_is_refused(
         DraftModelProposer(config, resolve_model_spec(config), kv, NUM_BLOCKS)
 
 
+def test_a_target_that_frees_blocks_behind_its_window_is_refused(
+    tmp_path: Path, draft_dir: Path
+) -> None:
+    # Mistral's window (2048) is wider than the context: no block is ever freed behind it.
+    wide = build_random_model(tmp_path / "mistral", "mistral", "llama", vocab_size=VOCAB)
+    config = engine_config(wide, draft_dir)
+    assert draft_kv_bytes_per_block(config, resolve_model_spec(config)) > 0
+    narrow = build_random_model(tmp_path / "phi3", "phi3", "llama", vocab_size=VOCAB)  # 27
+    config = engine_config(narrow, draft_dir)
+    with pytest.raises(ConfigError, match=r"'model'.*sliding window"):
+        draft_kv_bytes_per_block(config, resolve_model_spec(config))
+
+
 def test_a_draft_that_cannot_load_is_refused(target_dir: Path, tmp_path: Path) -> None:
     config = engine_config(target_dir, tmp_path / "missing")
     with pytest.raises(ConfigError, match=r"'model'.*cannot load"):
         draft_kv_bytes_per_block(config, resolve_model_spec(config))
+
+
+# End to end: the engine verifies the drafts. A pool that preempts and a budget that chunks.
+E2E_BLOCKS = 16  # 256 tokens for 8 sequences of up to 88
+E2E = {
+    "block_size": BLOCK,
+    "num_kv_blocks": E2E_BLOCKS,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 48,
+}
+
+
+def greedy_run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    kv = llm.engine.kv
+    assert kv.pool.num_free == E2E_BLOCKS
+    kv.check_consistency()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def e2e_prompts() -> list[list[int]]:
+    return [prompt_of(n, seed=70 + n) for n in (5, 17, 33, 48, 9, 64, 26, 40)]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(target_dir: Path, e2e_prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model=str(target_dir), **E2E)
+    try:
+        return greedy_run(llm, e2e_prompts)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("draft", ["target", "small"])
+def test_speculating_engine_gives_the_greedy_tokens(
+    draft: str,
+    target_dir: Path,
+    draft_dir: Path,
+    e2e_prompts: list[list[int]],
+    plain_tokens: list[list[int]],
+) -> None:
+    folder = target_dir if draft == "target" else draft_dir
+    speculative = {"model": str(folder), "num_speculative_tokens": 3}
+    llm = LLM(model=str(target_dir), speculative_config=speculative, **E2E)
+    try:
+        assert greedy_run(llm, e2e_prompts) == plain_tokens
+        stats = llm.last_run_stats
+    finally:
+        llm.engine.close()
+    drafts = stats.spec_decode
+    assert stats.num_preemptions > 0  # the pool was short: drafts survived recomputation
+    assert drafts.num_draft_tokens > 0
+    if draft == "target":  # the target guesses itself: every draft is accepted
+        assert drafts.num_accepted_tokens == drafts.num_draft_tokens
+    else:
+        assert drafts.num_accepted_tokens < drafts.num_draft_tokens
