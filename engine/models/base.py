@@ -168,6 +168,44 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        x, ctx = self._begin(input_ids, positions, backend, kv_caches, meta)
+        lora_rows = self.lora_step is not None and self.lora_step.mask is not None
+        if self.layers_runner is not None and not lora_rows:
+            x = self.layers_runner(x, ctx)
+        else:
+            for layer in self.layers:
+                x = layer(x, ctx)
+        return self.norm(x, self.fused_ops)
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s output, and each row's inputs to the layers `aux_layers` (the residual
+        stream before them) side by side, [T, len(aux_layers) * hidden]: what an EAGLE-3
+        head reads. The layers run one by one (a layers runner gives no intermediate)."""
+        x, ctx = self._begin(input_ids, positions, backend, kv_caches, meta)
+        aux: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            if index in aux_layers:
+                aux[index] = x
+            x = layer(x, ctx)
+        return self.norm(x, self.fused_ops), torch.cat([aux[i] for i in aux_layers], dim=-1)
+
+    def _begin(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """The first layer's input and the context every layer reads."""
         if not self.rotary:
             raise RuntimeError("init_rotary() must run before the first forward")
         rope = {name: table.lookup(positions) for name, table in self.rotary.items()}
@@ -176,13 +214,7 @@ class DecoderModel(nn.Module):
         scale = self.embedding_scale()
         if scale is not None:  # in the activations' dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
-        lora_rows = self.lora_step is not None and self.lora_step.mask is not None
-        if self.layers_runner is not None and not lora_rows:
-            x = self.layers_runner(x, ctx)
-        else:
-            for layer in self.layers:
-                x = layer(x, ctx)
-        return self.norm(x, self.fused_ops)
+        return x, ctx
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.lm_head_quantized is not None:

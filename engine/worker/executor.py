@@ -75,6 +75,14 @@ class LocalExecutor:
     def embed(self, batch: HostBatch) -> torch.Tensor:
         return self.runner.embed(batch)
 
+    def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        self.runner.capture_aux_hidden(layers)
+
+    def aux_hidden(self) -> torch.Tensor:
+        """The last step's inputs to the captured layers, one row per token computed."""
+        assert self.runner.aux_hidden is not None, "no step ran since capture_aux_hidden()"
+        return self.runner.aux_hidden
+
     def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
         return self.runner.prepare_lora(request)
 

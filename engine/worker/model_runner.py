@@ -62,6 +62,9 @@ class ModelRunner:
         model.init_rotary(spec.max_model_len)
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Layers whose inputs each step keeps for an EAGLE-3 head (`capture_aux_hidden`).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
         self._allocate(1)
 
     def _allocate(self, num_blocks: int) -> None:
@@ -131,10 +134,26 @@ class ModelRunner:
         )
         if self.lora is not None:
             self.lora.begin_step(batch.lora_slots, batch.query_lens, self.device)
+        if self.aux_layers:
+            return self._execute_with_aux(batch)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch, self.upload))
         inp = batch.to_device(self.device, self.upload)
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
+        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on every step keeps, for all its rows, the inputs to `layers`
+        (`aux_hidden`); such steps run eagerly, layer by layer."""
+        assert isinstance(self.model, DecoderModel), "aux hidden states of a decoder only"
+        self.aux_layers = layers
+
+    def _execute_with_aux(self, batch: HostBatch) -> torch.Tensor | None:
+        assert isinstance(self.model, DecoderModel)
+        inp = batch.to_device(self.device, self.upload)
+        hidden, self.aux_hidden = self.model.forward_with_aux(
+            inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn, self.aux_layers
+        )
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
     def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
