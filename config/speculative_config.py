@@ -16,7 +16,7 @@ from config.json_settings import parse_json_settings
 
 # vLLM's methods that are not served here: named, so that the error says so rather than
 # "not one of ...".
-_NOT_SERVED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+_NOT_SERVED = ("eagle", "medusa", "mlp_speculator", "mtp", "suffix")
 
 # Speculation is off in a step with more running sequences than this, unless the config says
 # otherwise: measured on the CPU (bench/spec_decode.py), where a batch this large gains
@@ -27,11 +27,11 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model"] | None = Field(
+    method: Literal["ngram", "draft_model", "eagle3"] | None = Field(
         None,
         description="'ngram': prompt lookup over the prompt and the output so far; "
         "'draft_model': a smaller model of the same tokenizer (default: draft_model when "
-        "'model' is set)",
+        "'model' is set); 'eagle3': an EAGLE-3 head reading the target's hidden states",
     )
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="tokens guessed, then verified, per sequence and step"
@@ -43,7 +43,9 @@ class SpeculativeConfig(BaseModel):
         None, ge=1, le=64, description="ngram: longest suffix looked up (default 5)"
     )
     model: str | None = Field(
-        None, min_length=1, description="draft_model: the draft's path or Hugging Face id"
+        None,
+        min_length=1,
+        description="draft_model: the draft's path or Hugging Face id; eagle3: the head's",
     )
     draft_tensor_parallel_size: int = Field(
         1, ge=1, le=1, description="the draft model runs on one rank"
@@ -59,7 +61,9 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _served(cls, value: object) -> object:
         if value in _NOT_SERVED:
-            raise ValueError(f"method {value!r} is not served here: use 'ngram' or 'draft_model'")
+            raise ValueError(
+                f"method {value!r} is not served here: use 'ngram', 'draft_model' or 'eagle3'"
+            )
         return value
 
     @model_validator(mode="after")
@@ -67,8 +71,8 @@ class SpeculativeConfig(BaseModel):
         method = self.method or ("draft_model" if self.model is not None else None)
         if method is None:
             raise ValueError("'method' is required ('ngram', or 'draft_model' with 'model')")
-        if method == "draft_model" and self.model is None:
-            raise ValueError("'method': 'draft_model' needs 'model', the draft's path or id")
+        if method in ("draft_model", "eagle3") and self.model is None:
+            raise ValueError(f"'method': {method!r} needs 'model', the draft's path or id")
         if method == "ngram" and self.model is not None:
             raise ValueError("'model' names a draft model: it is not used by 'method': 'ngram'")
         if method != "ngram" and (self.prompt_lookup_min or self.prompt_lookup_max):

@@ -185,7 +185,7 @@ class LLMEngine:
         self._unloading: set[LoRARequest] = set()
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras)
         self.sampler = Sampler(config.model.seed)
-        self.speculator = make_speculator(config, spec, self.kv, num_blocks)
+        self.speculator = make_speculator(config, spec, self.kv, num_blocks, self.executor)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._recorder = StatsRecorder()
@@ -430,7 +430,10 @@ class LLMEngine:
             return step
         if self.pooler is not None:
             return list(self._pool(step.out, step.batch.host))
-        outputs = self.emit_step(self.apply_step(step, self.executor.execute(step.batch.host)))
+        logits = self.executor.execute(step.batch.host)
+        if self.speculator is not None:
+            self.speculator.observe(step.out)
+        outputs = self.emit_step(self.apply_step(step, logits))
         if self.speculator is not None:  # the next step's drafts, from the tokens taken now
             self.speculator.propose(self.scheduler.running)
         return outputs

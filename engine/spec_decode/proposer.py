@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 
 
@@ -17,4 +18,11 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """Release what the method holds (a draft model's executor)."""
+        ...
+
+
+class StepObserver(Protocol):
+    def observe(self, out: SchedulerOutput) -> None:
+        """Called right after the target ran the step `out` scheduled, before its samples are
+        taken: a method that reads what the target computed (EAGLE-3's hidden states)."""
         ...

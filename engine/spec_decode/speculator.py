@@ -23,7 +23,7 @@ from config import SpeculativeConfig
 from engine.core.request_failures import RequestFailures
 from engine.core.scheduler_output import Sample, ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.proposer import Proposer, StepObserver
 from engine.stats import SpecDecodeStats
 from engine.worker.sampler import Sampler
 
@@ -31,11 +31,23 @@ Take = Callable[[Sequence, Sample], None]
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        max_model_len: int,
+        observer: StepObserver | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.observer = observer
         self.stats = SpecDecodeStats()
+
+    def observe(self, out: SchedulerOutput) -> None:
+        """The target just ran `out`'s step: the method reads what it needs of it."""
+        if self.observer is not None:
+            self.observer.observe(out)
 
     def take_stats(self) -> SpecDecodeStats:
         stats, self.stats = self.stats, SpecDecodeStats()

@@ -211,7 +211,8 @@ def test_beam_search_is_refused(engines: dict[bool, LLM]) -> None:
         ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "colour": 1}', "colour"),
-        ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+        ('{"method": "eagle3", "num_speculative_tokens": 2}', "model"),
         ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
