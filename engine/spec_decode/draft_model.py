@@ -73,7 +73,7 @@ def draft_engine_config(config: EngineConfig, target: ModelSpec) -> EngineConfig
 
 def resolve_draft_spec(config: EngineConfig, target: ModelSpec) -> ModelSpec:
     """The draft's spec; a ConfigError naming 'model' for a draft that cannot serve this
-    target (the checks that need no weights or tokenizer)."""
+    target, before any weights load."""
     if target.tensor_parallel_size > 1:
         raise _refusal(
             config,
@@ -98,6 +98,7 @@ def resolve_draft_spec(config: EngineConfig, target: ModelSpec) -> ModelSpec:
             f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}: "
             "a draft must share the target's tokenizer",
         )
+    check_same_vocabulary(config, draft, target)
     return draft
 
 
@@ -162,7 +163,6 @@ class DraftModelProposer:
         self, config: EngineConfig, target: ModelSpec, kv: KVCacheManager, num_blocks: int
     ) -> None:
         spec = resolve_draft_spec(config, target)
-        check_same_vocabulary(config, spec, target)
         self.kv = kv
         self.block_size = target.block_size
         self.max_model_len = target.max_model_len

@@ -35,6 +35,16 @@ SMALL = {
     "num_key_value_heads": 1,
 }
 
+# Engines through LLM(...): a pool that preempts and a budget that chunks.
+E2E_BLOCKS = 16  # 256 tokens for 8 sequences of up to 88
+E2E = {
+    "block_size": BLOCK,
+    "num_kv_blocks": E2E_BLOCKS,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 48,
+}
+
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
@@ -254,10 +264,9 @@ def test_a_draft_of_another_vocabulary_is_refused(
     target_dir: Path, tmp_path: Path, tokenizer: str, vocab: int, why: str
 ) -> None:
     draft = build_random_model(tmp_path, "llama", tokenizer, vocab_size=vocab, **SMALL)
-    config = engine_config(target_dir, draft)
-    kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True)
+    speculative = {"model": str(draft), "num_speculative_tokens": 3}
     with pytest.raises(ConfigError, match=f"'model'.*{why}"):
-        DraftModelProposer(config, resolve_model_spec(config), kv, NUM_BLOCKS)
+        LLM(model=str(target_dir), speculative_config=speculative, **E2E)
 
 
 def test_a_target_that_frees_blocks_behind_its_window_is_refused(
@@ -277,17 +286,6 @@ def test_a_draft_that_cannot_load_is_refused(target_dir: Path, tmp_path: Path) -
     config = engine_config(target_dir, tmp_path / "missing")
     with pytest.raises(ConfigError, match=r"'model'.*cannot load"):
         draft_kv_bytes_per_block(config, resolve_model_spec(config))
-
-
-# End to end: the engine verifies the drafts. A pool that preempts and a budget that chunks.
-E2E_BLOCKS = 16  # 256 tokens for 8 sequences of up to 88
-E2E = {
-    "block_size": BLOCK,
-    "num_kv_blocks": E2E_BLOCKS,
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 48,
-}
 
 
 def greedy_run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
