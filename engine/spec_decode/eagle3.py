@@ -63,11 +63,13 @@ def head_settings(config: EngineConfig, target: ModelSpec) -> Eagle3Settings:
             "an EAGLE-3 head reads the target's hidden states on one rank, "
             "not under --tensor-parallel-size > 1",
         )
-    if None not in target.info.sliding_windows:
+    windows = target.info.sliding_windows
+    if None not in windows and max(w for w in windows if w is not None) < target.max_model_len:
+        # The target frees the blocks behind its widest window, and the head's K/V with them.
         raise _refusal(
             config,
-            "the target attends through a sliding window on every layer, "
-            "which frees the blocks the head's K/V lives in",
+            "the target attends through a sliding window on every layer, narrower than "
+            "--max-model-len: it frees blocks that hold the head's K/V",
         )
     try:
         settings = read_settings(_head_folder(config), target.info.num_layers)

@@ -360,3 +360,14 @@ def test_a_head_that_does_not_fit_is_refused_naming_model(
     with pytest.raises(ConfigError, match="'model'") as info:
         LLM(**engine_config_kwargs(target_dir, folder))
     assert why in str(info.value)
+
+
+def test_a_target_that_frees_blocks_behind_a_window_is_refused(
+    tmp_path: Path, head_dir: Path
+) -> None:
+    target = build_random_model(
+        tmp_path / "mistral", "mistral", "llama", vocab_size=VOCAB, sliding_window=64
+    )
+    with pytest.raises(ConfigError, match="'model'") as info:
+        LLM(**engine_config_kwargs(target, head_dir))
+    assert "sliding window" in str(info.value)
