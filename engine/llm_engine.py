@@ -41,7 +41,7 @@ from engine.outputs import (
 )
 from engine.pooling import PoolingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.processing.output_processor import failed_output, make_output, update_text
+from engine.processing.output_processor import failed_output, make_output, update_texts
 from engine.processing.request import Request, SequenceText
 from engine.processing.tokenization import encode
 from engine.sampling_params import SamplingParams
@@ -711,20 +711,8 @@ class LLMEngine:
         """The text of the tokens the sequence took this step; a stop string found after one
         of them drops the ones after it."""
         was_finished = seq.is_finished
-        first = seq.num_output_tokens - len(taken)  # the index of the step's first token
-        for i, sample in enumerate(taken):
-            if i < len(taken) - 1:  # the sequence has more: it finished no earlier than them
-                reason, stop = seq.finish_reason, seq.stop_reason
-                seq.finish_reason = seq.stop_reason = None
-                update_text(seq, request.texts[seq.index], sample.token_id, first + i + 1)
-                if seq.finish_reason is not None:  # a stop string: the tokens after it go
-                    seq.truncate_output(first + i + 1)
-                    taken = taken[: i + 1]
-                    break
-                seq.finish_reason, seq.stop_reason = reason, stop
-            else:
-                update_text(seq, request.texts[seq.index], sample.token_id)
-        self._recorder.token(request, seq, now, count=len(taken))
+        kept = update_texts(seq, request.texts[seq.index], [s.token_id for s in taken])
+        self._recorder.token(request, seq, now, count=kept)
         if seq.finish_reason is not None and not was_finished:
             self.scheduler.finish(seq)
 

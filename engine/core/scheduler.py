@@ -95,12 +95,18 @@ class Scheduler:
                 drafts = seq.spec_token_ids[: budget - 1]  # the budget counts every verified row
                 num_new += len(drafts)
             seq.spec_token_ids = []
-            while (table := self.kv.allocate_slots(seq, num_new)) is None:
+            table = self.kv.allocate_slots(seq, num_new)
+            if table is None and drafts:  # guesses never preempt anyone: the step goes without
+                num_new -= len(drafts)
+                drafts = []
+                table = self.kv.allocate_slots(seq, num_new)
+            while table is None:
                 victim = self.running.pop()  # never one already scheduled: those come before i
                 self._preempt(victim, "kv_cache")
                 out.preempted.append(victim)
                 if victim is seq:
                     break
+                table = self.kv.allocate_slots(seq, num_new)
             else:
                 out.scheduled.append(
                     ScheduledSequence(

@@ -41,6 +41,24 @@ def update_text(
         seq.finish_reason, seq.stop_reason = "stop", stop
 
 
+def update_texts(seq: Sequence, text: SequenceText, token_ids: list[int]) -> int:
+    """`update_text` for each of the tokens the sequence took in one step (its last ones; more
+    than one under speculative decoding); a stop string found after one of them drops the
+    tokens after it. How many it kept."""
+    first = seq.num_output_tokens - len(token_ids)  # the index of the step's first token
+    for i, token_id in enumerate(token_ids[:-1]):
+        # The sequence went on past this token: whatever ended it came later.
+        reason, stop = seq.finish_reason, seq.stop_reason
+        seq.finish_reason = seq.stop_reason = None
+        update_text(seq, text, token_id, first + i + 1)
+        if seq.finish_reason is not None:  # a stop string: the tokens after it go
+            seq.truncate_output(first + i + 1)
+            return i + 1
+        seq.finish_reason, seq.stop_reason = reason, stop
+    update_text(seq, text, token_ids[-1])
+    return len(token_ids)
+
+
 def make_output(request: Request) -> RequestOutput:
     """The request's state now, with what is new since the previous output as deltas. While a
     sample runs, the last (longest stop string - 1) characters are held back: they may yet turn

@@ -24,6 +24,7 @@ from engine.core.sequence import Sequence
 from engine.errors import ModelLoadError
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
+from engine.spec_decode.beside_target import check_target, refusal
 from engine.spec_decode.draft_batch import DraftRun, build_draft_batch
 from engine.worker.executor import LocalExecutor
 
@@ -31,12 +32,6 @@ log = logging.getLogger(__name__)
 
 # What a failed draft start-up may raise: the config's refusals and the loader's.
 _LOAD_ERRORS = (ConfigError, ModelLoadError, OSError, ValueError)
-
-
-def _refusal(config: EngineConfig, why: str) -> ConfigError:
-    spec = config.scheduler.speculative_config
-    name = spec.model if spec is not None else None
-    return ConfigError(f"--speculative-config key 'model' ({name!r}): {why}")
 
 
 def draft_engine_config(config: EngineConfig, target: ModelSpec) -> EngineConfig:
@@ -74,26 +69,13 @@ def draft_engine_config(config: EngineConfig, target: ModelSpec) -> EngineConfig
 def resolve_draft_spec(config: EngineConfig, target: ModelSpec) -> ModelSpec:
     """The draft's spec; a ConfigError naming 'model' for a draft that cannot serve this
     target, before any weights load."""
-    if target.tensor_parallel_size > 1:
-        raise _refusal(
-            config,
-            "a draft model runs beside a target on one rank, not under --tensor-parallel-size > 1",
-        )
-    windows = target.info.sliding_windows
-    if None not in windows and max(w for w in windows if w is not None) < target.max_model_len:
-        # The target frees the blocks behind its widest window; the draft's K/V of those
-        # positions goes with them, and the draft attends to all of its context.
-        raise _refusal(
-            config,
-            "the target attends through a sliding window on every layer, narrower than "
-            "--max-model-len: it frees blocks that hold the draft's K/V",
-        )
+    check_target(config, target, "a draft model")
     try:
         draft = resolve_model_spec(draft_engine_config(config, target))
     except _LOAD_ERRORS as exc:
-        raise _refusal(config, f"the draft cannot load: {exc}") from exc
+        raise refusal(config, f"the draft cannot load: {exc}") from exc
     if draft.vocab_size != target.vocab_size:
-        raise _refusal(
+        raise refusal(
             config,
             f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}: "
             "a draft must share the target's tokenizer",
@@ -109,14 +91,14 @@ def check_same_vocabulary(config: EngineConfig, draft: ModelSpec, target: ModelS
     try:
         draft_vocab = load_tokenizer(draft.tokenizer_path).get_vocab()
     except ModelLoadError as exc:
-        raise _refusal(config, f"its tokenizer does not load: {exc}") from exc
+        raise refusal(config, f"its tokenizer does not load: {exc}") from exc
     target_vocab = load_tokenizer(target.tokenizer_path).get_vocab()
     size = target.vocab_size
     ours = {token: i for token, i in draft_vocab.items() if i < size}
     theirs = {token: i for token, i in target_vocab.items() if i < size}
     if ours != theirs:
         differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
-        raise _refusal(
+        raise refusal(
             config,
             f"its tokenizer differs from the target's ({len(differ)} token ids map to other "
             f"text, e.g. id {differ[0][1]}): a draft must share the target's tokenizer",
@@ -173,7 +155,7 @@ class DraftModelProposer:
                 draft_engine_config(config, target), spec
             )
         except _LOAD_ERRORS as exc:
-            raise _refusal(config, f"the draft cannot load: {exc}") from exc
+            raise refusal(config, f"the draft cannot load: {exc}") from exc
         self.executor.allocate_kv(num_blocks)
         self.states: dict[str, _DraftState] = {}
         log.info(

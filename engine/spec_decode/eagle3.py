@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from config import ConfigError, EngineConfig
+from config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
@@ -30,17 +30,12 @@ from engine.errors import ModelLoadError
 from engine.loading.hub import download_model, is_repo_id
 from engine.loading.model_spec import ModelSpec
 from engine.models.base import DecoderModel
+from engine.spec_decode.beside_target import check_target, refusal
 from engine.spec_decode.draft_batch import DraftRun, build_draft_batch
 from engine.spec_decode.eagle3_head import Eagle3Head, Eagle3Settings, load_head, read_settings
 from engine.worker.executor import LocalExecutor
 
 log = logging.getLogger(__name__)
-
-
-def _refusal(config: EngineConfig, why: str) -> ConfigError:
-    spec = config.scheduler.speculative_config
-    name = spec.model if spec is not None else None
-    return ConfigError(f"--speculative-config key 'model' ({name!r}): {why}")
 
 
 def _head_folder(config: EngineConfig) -> Path:
@@ -50,45 +45,32 @@ def _head_folder(config: EngineConfig) -> Path:
     if not path.is_dir() and is_repo_id(spec.model):
         path = download_model(spec.model, None, config.model.download_dir, lambda _: None)
     if not (path / "config.json").is_file():
-        raise _refusal(config, "no EAGLE-3 head folder with a config.json there")
+        raise refusal(config, "no EAGLE-3 head folder with a config.json there")
     return path
 
 
 def head_settings(config: EngineConfig, target: ModelSpec) -> Eagle3Settings:
     """The head's settings; a ConfigError naming 'model' when it cannot serve this target (the
     checks that need no weights)."""
-    if target.tensor_parallel_size > 1:
-        raise _refusal(
-            config,
-            "an EAGLE-3 head reads the target's hidden states on one rank, "
-            "not under --tensor-parallel-size > 1",
-        )
-    windows = target.info.sliding_windows
-    if None not in windows and max(w for w in windows if w is not None) < target.max_model_len:
-        # The target frees the blocks behind its widest window, and the head's K/V with them.
-        raise _refusal(
-            config,
-            "the target attends through a sliding window on every layer, narrower than "
-            "--max-model-len: it frees blocks that hold the head's K/V",
-        )
+    check_target(config, target, "an EAGLE-3 head")
     try:
         settings = read_settings(_head_folder(config), target.info.num_layers)
     except ModelLoadError as exc:
-        raise _refusal(config, str(exc)) from exc
+        raise refusal(config, str(exc)) from exc
     layers, hidden = target.info.num_layers, int(target.hf_config.hidden_size)
     if any(not 0 <= i < layers for i in settings.aux_layers):
-        raise _refusal(
+        raise refusal(
             config, f"its layers {settings.aux_layers} are not all among the target's {layers}"
         )
     if settings.target_hidden_size != hidden:
-        raise _refusal(
+        raise refusal(
             config,
             f"it reads hidden states of {settings.target_hidden_size} values, "
             f"the target's have {hidden}",
         )
     vocab = settings.config.vocab_size
     if vocab != target.vocab_size:
-        raise _refusal(
+        raise refusal(
             config, f"its vocabulary has {vocab} tokens, the target's {target.vocab_size}"
         )
     return settings
@@ -149,7 +131,7 @@ class Eagle3Proposer:
         try:
             head = load_head(folder, settings, model.embed_tokens.weight, target.dtype)
         except ModelLoadError as exc:
-            raise _refusal(config, f"the head cannot load: {exc}") from exc
+            raise refusal(config, f"the head cannot load: {exc}") from exc
         self.head: Eagle3Head | None = head
         head.init_rotary(target.max_model_len)
         self.executor, self.kv, self.block_size = executor, kv, target.block_size

@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from config import ConfigError, EngineConfig
+from config import ConfigError, EngineConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import Sample
+from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -287,3 +291,24 @@ def test_right_drafts_are_accepted_and_wrong_ones_cut(engines: dict[bool, LLM]) 
     assert drafts.num_accepted_tokens < drafts.num_draft_tokens  # the wrong ones were cut
     assert len(stats.iteration_tokens) < len(engines[False].last_run_stats.iteration_tokens)
     assert_pool_whole(engines[True].engine)
+
+
+def test_guesses_never_preempt_anyone() -> None:
+    """A sequence whose guesses need a block the pool lacks runs its own token alone; with the
+    block free, its guesses run with it."""
+    for num_blocks, drafted in ((2, False), (3, True)):
+        kv = KVCacheManager(num_blocks, 4, enable_caching=False)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+        params = SamplingParams(temperature=0, max_tokens=10)
+        seqs = [Sequence(f"s{i}", f"s{i}", 0, [7, 8, 9], params, float(i)) for i in range(2)]
+        for seq in seqs:
+            scheduler.add(seq)
+        prompt_step = scheduler.schedule()
+        scheduler.update_from_output(prompt_step, [Sample(5, None), Sample(6, None)], 100)
+        seqs[0].spec_token_ids = [1, 2, 3]  # positions 3-6: a second block
+        out = scheduler.schedule()
+        assert out.preempted == [] and [s.seq for s in out.scheduled] == seqs
+        first = out.scheduled[0]
+        assert first.draft_token_ids == ([1, 2, 3] if drafted else [])
+        assert first.num_new_tokens == (4 if drafted else 1)
+        assert seqs[0].spec_token_ids == []  # consumed either way
