@@ -84,9 +84,9 @@ def _inject(stage: str, monkeypatch: pytest.MonkeyPatch) -> SamplingParams:
         )
         return GREEDY
     if stage == "text":  # detokenizing, stop strings
-        update = llm_engine_module.update_text
+        update = llm_engine_module.update_texts
         monkeypatch.setattr(
-            llm_engine_module, "update_text", _raising_for_victim(update, lambda seq, *_: seq)
+            llm_engine_module, "update_texts", _raising_for_victim(update, lambda seq, *_: seq)
         )
         return GREEDY
     if stage == "output":  # making its output

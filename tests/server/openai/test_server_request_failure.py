@@ -30,14 +30,14 @@ OTHER = {"prompt": "The capital of France is", "n": 2, "temperature": 0, "max_to
 
 @pytest.fixture
 def failing_marked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    update = llm_engine_module.update_text
+    update = llm_engine_module.update_texts
 
-    def update_or_fail(seq: Any, text: Any, token_id: int) -> None:
+    def update_or_fail(seq: Any, text: Any, token_ids: list[int]) -> int:
         if seq.prompt_token_ids[: len(MARK)] == MARK and seq.num_output_tokens >= 2:
             raise RuntimeError("injected")
-        update(seq, text, token_id)
+        return update(seq, text, token_ids)
 
-    monkeypatch.setattr(llm_engine_module, "update_text", update_or_fail)
+    monkeypatch.setattr(llm_engine_module, "update_texts", update_or_fail)
     yield
 
 
