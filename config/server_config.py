@@ -8,6 +8,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from config.engine_config import EngineConfig, _Strict
 from config.lora_names import lora_name_problem
+from config.media_config import MediaSettings
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # Whose names /metrics uses: ours (`pagedserve:*`), or vLLM's exact names and labels, so that
@@ -49,7 +50,9 @@ class LoRAModule(_Strict):
             raise ValueError(f"--lora-modules {text!r}: {exc.errors()[0]['msg']}") from None
 
 
-class ServerConfig(_Strict):
+class ServerConfig(MediaSettings):
+    # The image-fetch settings are inherited: `media_policy()` gives what server/media reads.
+
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     api_key: str | None = Field(

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from config.engine_config import ENGINE_SECTIONS, ConfigError, EngineConfig, build_sections, flag
+from config.media_config import vllm_env_settings
 from config.server_config import ServeConfig, ServerConfig
 
 ENV_PREFIX = "PAGEDSERVE_"
@@ -133,6 +134,10 @@ def merge(
     """Flat settings: the file's, overridden by the environment's, overridden by the flags'
     (values of every type: the config models validate them)."""
     settings = from_file(config_file, sections) if config_file else {}
+    # vLLM's variables for the same settings (VLLM_IMAGE_FETCH_TIMEOUT, ...) count as the
+    # environment's, below ours.
+    known = _fields(sections)
+    settings.update({k: v for k, v in vllm_env_settings(env).items() if k in known})
     settings.update(from_env(env, sections))
     settings.update(cli)
     return settings
