@@ -15,7 +15,7 @@ from server.media.errors import refused
 
 # The formats clients send. Pillow opens many more, some through parsers rarely exercised (or,
 # for EPS, an external program): those are refused rather than offered to any client.
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP")
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # (a JPEG may open as MPO)
 _WHITESPACE = re.compile(rb"\s+")
 
 

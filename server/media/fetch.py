@@ -27,6 +27,10 @@ class _Retryable(Exception):
     """A failure a later attempt may not meet: no connection, or a 5xx answer."""
 
 
+class _Unreachable(_Retryable):
+    """No connection to one address: the host's next one may answer."""
+
+
 def shown(url: str | httpx.URL) -> str:
     text = str(url)
     return text if len(text) <= 120 else text[:117] + "..."
@@ -83,7 +87,18 @@ async def _get(
         raise refused(where, f"image URL {shown(url)} is not http(s)")
     check_host(target.host, policy, where)
     port = target.port or (443 if target.scheme == "https" else 80)
-    address = await resolve_checked(target.host, port, policy, where)
+    addresses = await resolve_checked(target.host, port, policy, where)
+    for address in addresses[:-1]:  # (localhost: ::1, then 127.0.0.1)
+        try:
+            return await _get_from(client, target, address, policy, where)
+        except _Unreachable:
+            continue
+    return await _get_from(client, target, addresses[-1], policy, where)
+
+
+async def _get_from(
+    client: httpx.AsyncClient, target: httpx.URL, address: str, policy: MediaPolicy, where: str
+) -> bytes | _Redirect:
     pinned = target.copy_with(host=address)
     extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
     # identity: a compressed body would be inflated past the byte cap before it is counted.
@@ -96,13 +111,15 @@ async def _get(
                 raise _Retryable(f"the server answered {answer.status_code}")
             if answer.status_code != 200:
                 raise refused(
-                    where, f"fetching {shown(url)}: the server answered {answer.status_code}"
+                    where, f"fetching {shown(target)}: the server answered {answer.status_code}"
                 )
             return await _body(answer, policy, where)
     except httpx.TimeoutException:
         raise refused(
-            where, f"fetching {shown(url)} took longer than {policy.timeout_s:g} s"
+            where, f"fetching {shown(target)} took longer than {policy.timeout_s:g} s"
         ) from None
+    except httpx.ConnectError as exc:
+        raise _Unreachable(f"cannot connect ({exc})") from None
     except httpx.TransportError as exc:
         raise _Retryable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
 

@@ -38,8 +38,8 @@ def non_public(address: IPAddress) -> str | None:
         ("unspecified", address.is_unspecified),
         ("link-local", address.is_link_local),
         ("multicast", address.is_multicast),
-        ("private", address.is_private),
         ("reserved", address.is_reserved),
+        ("private", address.is_private),
         ("non-public", not address.is_global),
     ):
         if flagged:
@@ -47,13 +47,15 @@ def non_public(address: IPAddress) -> str | None:
     return None
 
 
-async def resolve_checked(host: str, port: int, policy: MediaPolicy, where: str) -> str:
-    """The address to connect to for `host`: every address the name has must be public, unless
+async def resolve_checked(host: str, port: int, policy: MediaPolicy, where: str) -> list[str]:
+    """The addresses to connect to for `host`, in order: every address the name has must be public, unless
     the host is allowed by name (an internal image store the operator vouches for)."""
     name = named_host(host)
+    literal = True
     try:
         addresses: list[IPAddress] = [ipaddress.ip_address(name)]
     except ValueError:
+        literal = False
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 name, port, type=socket.SOCK_STREAM
@@ -68,10 +70,10 @@ async def resolve_checked(host: str, port: int, policy: MediaPolicy, where: str)
         for address in addresses:
             reason = non_public(address)
             if reason is not None:
-                what = f"is {reason}" if str(address) == name else f"resolves to {reason}"
+                what = f"is {reason}" if literal else f"resolves to {reason}"
                 raise refused(
                     where,
                     f"image URL host {host!r} {what}, refused unless --allowed-media-domains "
                     "names it",
                 )
-    return str(addresses[0])
+    return list(dict.fromkeys(str(address) for address in addresses))
