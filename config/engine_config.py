@@ -219,6 +219,14 @@ class SchedulerConfig(_Strict):
         "make a step's outputs while the next runs (default: on with CUDA, off on the CPU; "
         "refused for pooling models, --enable-lora and tensor parallelism)",
     )
+    encoder_cache_size: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="image encoder outputs kept between steps, in embedding rows, and the most "
+        "a step encodes; an image larger is refused (default: the larger of "
+        "--max-num-batched-tokens and 16384)",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs",
         description="fcfs: requests in arrival order; priority: by each request's priority "

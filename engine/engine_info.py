@@ -31,6 +31,8 @@ class EngineInfo:
     max_loras: int | None = None  # LoRA slots (--max-loras); None: LoRA is off
     # Tokens guessed per sequence and step (--speculative-config); None: no speculation.
     num_speculative_tokens: int | None = None
+    # The model reads images in its prompts (a vision-language model).
+    accepts_images: bool = False
 
     @property
     def runner(self) -> str:

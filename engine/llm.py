@@ -14,6 +14,7 @@ from engine.core.beam_search import length_divisor
 from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalInputs
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.processing.prompt_inputs import PlainPrompt, PromptType, as_prompt_batch
@@ -58,8 +59,11 @@ class LLM:
         is a text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`.
         `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
-        model); needs `enable_lora=True`."""
-        batch = as_prompt_batch(prompts)
+        model); needs `enable_lora=True`. A prompt dict may carry images
+        (`"multi_modal_data": {"image": ...}`) for a vision-language model; its text or
+        tokens then hold one image placeholder per image."""
+        images: list[list[Any]] = []
+        batch = as_prompt_batch(prompts, images)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -79,10 +83,20 @@ class LLM:
         )
         if len(loras) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
-        token_ids = [self.engine.tokenize(prompt) for prompt in batch]
+        token_ids: list[list[int]] = []
+        multi_modal: list[MultiModalInputs | None] = []
+        for prompt, shown in zip(batch, images):
+            if shown:
+                ids, mm = self.engine.expand_images(prompt, shown)
+                token_ids.append(ids)
+                multi_modal.append(mm)
+            else:
+                token_ids.append(self.engine.tokenize(prompt))
+                multi_modal.append(None)
         # Every prompt checked before any is queued: one bad prompt fails the call, not a step.
         checked = [
-            self.engine.check(ids, p, rank) for ids, p, rank in zip(token_ids, params, priorities)
+            self.engine.check(ids, p, rank, mm)
+            for ids, p, rank, mm in zip(token_ids, params, priorities, multi_modal)
         ]
         for adapter in {lora for lora in loras if lora is not None}:  # each read once, here
             self.engine.add_lora(adapter)
@@ -95,9 +109,10 @@ class LLM:
                 priority=rank,
                 lora_request=lora,
                 lora_read=True,
+                multi_modal=mm,
             )
-            for prompt, p, t, c, rank, lora in zip(
-                batch, params, token_ids, checked, priorities, loras
+            for prompt, p, t, c, rank, lora, mm in zip(
+                batch, params, token_ids, checked, priorities, loras, multi_modal
             )
         ]
         return cast(list[RequestOutput], self._run(request_ids))

@@ -32,6 +32,10 @@ from engine.lora.assignment import SlotAssignment
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.lora.slots import PlacedAdapter
+from engine.models.registry import image_processing_of
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.inputs import MultiModalInputs
+from engine.multimodal.processing import ImageProcessing, expand_images
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -172,6 +176,7 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_loras=max_loras,
             num_speculative_tokens=drafting.num_speculative_tokens if drafting else None,
+            accepts_images=spec.multimodal,
         )
         if drafting is not None and self.pooler is not None:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")
@@ -183,7 +188,18 @@ class LLMEngine:
         self.loras = SlotAssignment(max_loras) if max_loras is not None else None
         # Adapters unloaded while requests still ran under them: dropped when the last ends.
         self._unloading: set[LoRARequest] = set()
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_loras)
+        # Images in prompts: the model's processing (placeholders into spans) and the cache
+        # of its encoder's outputs.
+        self.image_processing: ImageProcessing | None = None
+        encoder_cache = None
+        processing = image_processing_of(spec.architecture)
+        if processing is not None:
+            self.image_processing = processing(spec.hf_config, spec.path, self.tokenizer)
+            size = config.scheduler.encoder_cache_size
+            encoder_cache = EncoderCache(
+                size or max(config.scheduler.max_num_batched_tokens, 16384)
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_loras, encoder_cache)
         self.sampler = Sampler(config.model.seed)
         self.speculator = make_speculator(config, spec, self.kv, num_blocks, self.executor)
         self.requests: dict[str, Request] = {}
@@ -206,13 +222,42 @@ class LLMEngine:
             return encode(self.tokenizer, prompt)
         return list(prompt)
 
+    def expand_images(
+        self, prompt: str | list[int], images: list[Any]
+    ) -> tuple[list[int], MultiModalInputs]:
+        """The prompt's tokens with each image placeholder expanded into its image's span, and
+        its images as the engine reads them (InvalidRequestError when they do not pair up or
+        the model reads no images). Thread-safe: the server runs it off the event loop."""
+        if self.image_processing is None:
+            raise InvalidRequestError(
+                f"the model {self.info.model or self.model_path} reads no images: send text only",
+                param="messages",
+            )
+        return expand_images(self.image_processing, self.tokenize(prompt), images)
+
+    def check_images(self, mm: MultiModalInputs | None, params: SamplingParams) -> None:
+        """Images a request cannot be served with (InvalidRequestError); thread-safe."""
+        if mm is None:
+            return
+        if params.use_beam_search:
+            raise InvalidRequestError(
+                "beam search is not served for prompts with images", "use_beam_search"
+            )
+        if self.scheduler.encoder is not None:
+            self.scheduler.encoder.check_fits(mm)
+
     def check(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        mm: MultiModalInputs | None = None,
     ) -> CheckedRequest:
         """Everything that would make the request fail inside a step is rejected here
         (InvalidRequestError); its grammar, if any, compiles."""
         self.info.validate(prompt_ids, params)
         self.info.check_priority(priority)
+        self.check_images(mm, params)
         if params.use_beam_search and self.speculator is not None:
             raise InvalidRequestError(
                 "beam search does not run with speculative decoding (--speculative-config)",
@@ -232,12 +277,15 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         lora_read: bool = False,
+        multi_modal: MultiModalInputs | None = None,
     ) -> str:
         """Queue a request. `prompt_token_ids`, when given, is the tokenized `prompt` (a text
         prompt is then not tokenized again); `checked`, when given, says it was validated and
         holds its compiled grammar. `priority` orders it under --scheduling-policy priority
         (lower first). `lora_request`: the LoRA adapter it runs under (--enable-lora);
-        `lora_read`: the caller has just read it with `add_lora`, so it is not read again."""
+        `lora_read`: the caller has just read it with `add_lora`, so it is not read again.
+        `multi_modal`: the prompt's images, `prompt_token_ids` then holding their spans
+        (`expand_images`)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -248,7 +296,7 @@ class LLMEngine:
                 raise LoRALoadError(str(exc), param="model") from None
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if checked is None:
-            checked = self.check(prompt_ids, params, priority)
+            checked = self.check(prompt_ids, params, priority, multi_modal)
         arrival = time.time() if arrival_time is None else arrival_time
         structured, grammar = params.structured_outputs, checked.grammar
         sequences = []
@@ -270,6 +318,7 @@ class LLMEngine:
                     status=SequenceStatus.WAITING if i == 0 else SequenceStatus.AWAITING_FORK,
                     grammar=None if structured is None else GrammarState(grammar, structured),
                     lora=lora_request,
+                    mm=multi_modal,
                 )
             )
         beam = None
@@ -456,7 +505,8 @@ class LLMEngine:
             [self.requests[s.seq.request_id] for s in out.scheduled], out.num_tokens, time.time()
         )
         self.step_shape = (len(out.scheduled), out.num_tokens)
-        return PlannedStep(out, build_step_batch(out, self.block_size, slot_of))
+        batch = build_step_batch(out, self.block_size, slot_of, self.image_processing is not None)
+        return PlannedStep(out, batch)
 
     def apply_step(self, step: PlannedStep, logits: torch.Tensor) -> AppliedStep:
         """Sample the step's rows and let the scheduler take its results (stop tokens, lengths

@@ -25,8 +25,19 @@ from engine.kv_events.events import BlockStored, KVEvent, KVEventRecorder
 SLID_PAST = -1  # a table entry whose block every layer's window has left behind
 
 
-def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+def chain_hash(parent: BlockHash, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """`extra`: the content hashes of the images the block's tokens stand for (their
+    placeholder tokens are alike whatever the image)."""
+    data = parent + array("q", token_ids).tobytes() + extra
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def block_images(seq: Sequence, index: int, block_size: int) -> list[bytes]:
+    """The hashes of the images whose spans overlap block `index` of the sequence."""
+    if seq.mm is None:
+        return []
+    start = index * block_size
+    return [item.hash for item in seq.mm.items_in(start, start + block_size)]
 
 
 @dataclass
@@ -74,7 +85,11 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(
-                chain_hash(hashes[-1] if hashes else root, seq.all_token_ids[i * bs : (i + 1) * bs])
+                chain_hash(
+                    hashes[-1] if hashes else root,
+                    seq.all_token_ids[i * bs : (i + 1) * bs],
+                    b"".join(block_images(seq, i, bs)),
+                )
             )
         return hashes
 
@@ -176,9 +191,21 @@ class KVCacheManager:
             bs,
             None if seq.lora is None else seq.lora.lora_int_id,
             None if seq.lora is None else seq.lora.lora_name,
+            self._extra_keys(seq, start, end),
         )
         self.events.events.append(stored)
         self._step_stores.events.append(stored)
+
+    def _extra_keys(self, seq: Sequence, start: int, end: int) -> list[list[str] | None] | None:
+        """Per block, the hex hashes of the images it covers (vLLM's `extra_keys`); None when
+        no block covers any."""
+        if seq.mm is None:
+            return None
+        keys = [
+            [h.hex() for h in block_images(seq, i, self.block_size)] or None
+            for i in range(start, end)
+        ]
+        return keys if any(keys) else None
 
     def begin_step(self) -> None:
         """A step is about to be scheduled: what it registers can be taken back until the next."""

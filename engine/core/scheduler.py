@@ -31,6 +31,7 @@ from engine.core.request_failures import RequestFailures
 from engine.core.scheduler_output import Sample, ScheduledSequence, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stop_conditions import check_stop
+from engine.multimodal.encoder_cache import EncoderCache, EncoderPlan
 
 
 @dataclass
@@ -51,13 +52,20 @@ def rank(seq: Sequence) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_loras: int | None = None,
+        encoder: EncoderCache | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = max_loras  # distinct LoRA adapters running at once (their slots)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.by_priority = config.scheduling_policy == "priority"
         self.kv = kv
+        # Image inputs: which encoder outputs are held, and each step's encoder budget (rows).
+        self.encoder = encoder
+        self._encoder_budget = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -79,6 +87,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._encoder_budget = 0 if self.encoder is None else self.encoder.capacity
         if self.by_priority:  # the budget goes first to, and preemption last to, the urgent
             self.running.sort(key=rank)
             self._make_room_for_the_most_urgent(out)
@@ -87,7 +96,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_planned_tokens - seq.num_planned_computed, budget)
-            if num_new == 0:  # a beam whose row is in, waiting for its siblings' rows
+            num_new, images = self._fit_images(seq, seq.num_planned_computed, num_new, out)
+            if num_new == 0:  # a beam whose row is in, or a chunk waiting for the encoder
                 i += 1
                 continue
             drafts: list[int] = []
@@ -113,6 +123,7 @@ class Scheduler:
                         seq, num_new, table, seq.num_planned_computed, draft_token_ids=drafts
                     )
                 )
+                self._commit_images(seq, images, out)
                 budget -= num_new
                 i += 1
 
@@ -137,7 +148,26 @@ class Scheduler:
             seq.num_inflight_tokens += s.num_new_tokens
             seq.num_pending_tokens += int(s.samples_token)
         out.block_copies = self.kv.take_pending_copies()
+        if self.encoder is not None:
+            out.encoder_evicted = self.encoder.take_evicted()
         return out
+
+    def _fit_images(
+        self, seq: Sequence, start: int, num_new: int, out: SchedulerOutput
+    ) -> tuple[int, EncoderPlan | None]:
+        """The chunk cut before the first image the encoder cannot take this step, and what
+        the chunk needs of the encoder."""
+        if self.encoder is None or seq.mm is None or start >= seq.num_prompt_tokens:
+            return num_new, None
+        planned = {item.hash for item in out.encoder_inputs}
+        return self.encoder.plan(seq.mm, start, num_new, self._encoder_budget, planned)
+
+    def _commit_images(self, seq: Sequence, plan: EncoderPlan | None, out: SchedulerOutput) -> None:
+        if self.encoder is None or plan is None:
+            return
+        self.encoder.commit(seq.seq_id, plan)
+        out.encoder_inputs.extend(plan.encode)
+        self._encoder_budget -= sum(item.num_embeds for item in plan.encode)
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """The step will not run: its sequences are planned as if it had not been scheduled
@@ -145,6 +175,8 @@ class Scheduler:
         for s in out.scheduled:
             s.seq.num_inflight_tokens -= s.num_new_tokens
             s.seq.num_pending_tokens -= int(s.samples_token)
+        if self.encoder is not None:
+            self.encoder.drop(out.encoder_inputs)
 
     def _admit(
         self, budget: int, out: SchedulerOutput, below: tuple[int, float] | None = None
@@ -168,6 +200,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if seq.pooling is not None and num_new < seq.num_tokens - num_cached:
                 break  # pooled whole, never chunked: it waits for a step with room for all of it
+            num_new, images = self._fit_images(seq, num_cached, num_new, out)
+            if num_new == 0:
+                break  # its first image waits for the encoder: nobody overtakes the head
             table = self.kv.allocate_slots(seq, num_new, hits)
             if table is None:
                 if seq.kv_wait_since is None:
@@ -185,6 +220,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new, table, seq.num_computed_tokens))
+            self._commit_images(seq, images, out)
             budget -= num_new
 
     def _unblock_beams(self, budget: int, out: SchedulerOutput) -> None:
@@ -259,6 +295,8 @@ class Scheduler:
         if seq.beam is not None:
             seq.beam.drop_row(seq)
         self.kv.free(seq)
+        if self.encoder is not None and seq.mm is not None:
+            self.encoder.release(seq.seq_id, seq.mm)
         seq.spec_token_ids = []
         # A step still running for it is discarded when it ends (async scheduling).
         seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_tokens = 0
@@ -292,6 +330,8 @@ class Scheduler:
             s.seq.num_computed_tokens += s.num_new_tokens
             s.seq.num_inflight_tokens -= s.num_new_tokens
             s.seq.num_pending_tokens -= int(s.samples_token)
+            if self.encoder is not None and s.seq.mm is not None:
+                self.encoder.passed(s.seq.seq_id, s.seq.mm, s.seq.num_computed_tokens)
             if s.seq.forks and s.samples_token:
                 self._fork(s.seq)
         for seq, sample in zip(out.samplers, samples, strict=True):
@@ -324,4 +364,6 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        if self.encoder is not None and seq.mm is not None:
+            self.encoder.release(seq.seq_id, seq.mm)
         seq.status = SequenceStatus.FINISHED

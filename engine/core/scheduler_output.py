@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.multimodal.inputs import ImageItem
 from engine.outputs import PositionLogprobs
 
 
@@ -41,6 +42,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     has_beam_rows: bool = False  # some scheduled beam completes its row this step
+    # Images the step encodes (their outputs enter the encoder cache), and the cached outputs
+    # evicted since the step before (the runner drops them).
+    encoder_inputs: list[ImageItem] = field(default_factory=list)
+    encoder_evicted: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalInputs
 from engine.outputs import PositionLogprobs
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class Sequence:
     # Guesses of the tokens after its last one (speculative decoding), verified by its next
     # step; consumed when that step is scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The prompt's images (their spans hold placeholder tokens); None for a text prompt.
+    mm: MultiModalInputs | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -17,6 +17,9 @@ class BlockStored:
     # The LoRA adapter the blocks were computed under (its K/V is its own), as vLLM reports it.
     lora_id: int | None = None
     lora_name: str | None = None
+    # Per block, the hashes of the images its tokens stand for (None: none), as vLLM's
+    # `extra_keys` carries them; None when no block has any.
+    extra_keys: list[list[str] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from engine.loading.hub import tokenizer_path
 from engine.loading.linear_format import LinearFormat
 from engine.loading.quantized_checkpoint import declared_quantization, flag_agrees, resolve_format
 from engine.loading.resolve import load_hf_config, resolve_device, resolve_dtype, resolve_model_path
-from engine.models.interface import ArchitectureInfo
-from engine.models.registry import describe, resolve_architecture
+from engine.models.interface import ArchitectureInfo, text_config
+from engine.models.registry import describe, image_processing_of, resolve_architecture
 from engine.pooling import PoolerSpec, resolve_pooler
 from kernels.attention import Platform, choose
 from kernels.cpu.packed_linear import fixed_order_available
@@ -55,10 +55,12 @@ class ModelSpec:
     # int8: activations rounded to int8 for the quantized linears (engine/worker/cpu/), as
     # --quantize-activations int8 or a W8A8/W4A8 checkpoint's declaration says (resolve_activations).
     quantize_activations: str | None = None
+    # The model reads images in its prompts (a vision-language architecture).
+    multimodal: bool = False
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(text_config(self.hf_config).vocab_size)
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -84,7 +86,7 @@ def context_limit(hf_config: PretrainedConfig, path: Path | None = None) -> int:
     """The longest context the model was trained for; sliding-window layers attend through
     their window, so a windowed model serves all of it. A sentence-transformers checkpoint may
     cap it lower (`max_seq_length`: what its embeddings were trained on)."""
-    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+    limit = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
     st_file = None if path is None else path / "sentence_bert_config.json"
     if st_file is not None and st_file.is_file():
         try:
@@ -168,6 +170,11 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         why_not = lora_unfit(info, runner, quantization, config.model.batch_invariant)
         if why_not is not None:
             raise ConfigError(f"--enable-lora: {why_not}")
+    multimodal = image_processing_of(architecture) is not None
+    if multimodal:
+        why_not = multimodal_unfit(config, runner, quantization, linear_format)
+        if why_not is not None:
+            raise ConfigError(f"{architecture} (images in prompts): {why_not}")
     return ModelSpec(
         path=path,
         tokenizer_path=path if config.model.tokenizer is None else tokenizer_path(config.model),
@@ -185,7 +192,25 @@ def resolve_model_spec(config: EngineConfig) -> ModelSpec:
         gguf_file=gguf_file,
         linear_format=linear_format,
         quantize_activations=activations,
+        multimodal=multimodal,
     )
+
+
+def multimodal_unfit(
+    config: EngineConfig, runner: str, quantization: str | None, linear_format: object
+) -> str | None:
+    """Why a vision-language model cannot run with these settings; None when it can."""
+    if runner == "pooling":
+        return "it generates; --runner pooling is not served for it"
+    if config.parallel.tensor_parallel_size > 1:
+        return "runs on one device (no --tensor-parallel-size yet)"
+    if config.lora.enable_lora:
+        return "LoRA adapters are not served on vision-language models yet (--enable-lora)"
+    if config.scheduler.speculative_config is not None:
+        return "speculative decoding is not served on vision-language models yet"
+    if quantization is not None or linear_format is not None:
+        return "its weights are read as stored in bf16/float32 (no --quantization)"
+    return None
 
 
 def resolve_quantization(config: EngineConfig) -> tuple[str | None, Path | None]:

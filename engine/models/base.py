@@ -30,6 +30,7 @@ from engine.models.layers.lora import LoRAStep
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.weights import load_checkpoint
+from engine.multimodal.inputs import MultiModalStep
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu import weight_only
 from kernels.cpu.packed_linear import linear
@@ -72,6 +73,8 @@ def sliding_windows(cfg: PretrainedConfig) -> tuple[int | None, ...]:
 class DecoderModel(nn.Module):
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = FUSED_QKV_GATE_UP
     gemma_norm: ClassVar[bool] = False  # the final norm in Gemma's (1 + w) form
+    # Multimodal rotary (Qwen2-VL): the rotated pairs' split over (time, height, width).
+    mrope_section: tuple[int, ...] | None = None
 
     def __init__(self, cfg: PretrainedConfig, shard: Shard = WHOLE) -> None:
         super().__init__()
@@ -94,6 +97,9 @@ class DecoderModel(nn.Module):
         # The LoRA adapters' row selection (engine/lora): a step with adapter rows runs the
         # Python layers, which apply them; the layers runner does not.
         self.lora_step: LoRAStep | None = None
+        # The step's image rows (engine/multimodal), set by the runner before a forward that
+        # has any; None otherwise.
+        self.mm_step: MultiModalStep | None = None
 
     # ------------------------------------------------------------ what a subclass provides
 
@@ -208,12 +214,23 @@ class DecoderModel(nn.Module):
         """The first layer's input and the context every layer reads."""
         if not self.rotary:
             raise RuntimeError("init_rotary() must run before the first forward")
-        rope = {name: table.lookup(positions) for name, table in self.rotary.items()}
+        step = self.mm_step
+        if step is not None and step.rope_positions is not None:
+            assert self.mrope_section is not None, "multimodal positions for a 1-D rotary"
+            section = self.mrope_section
+            rope = {
+                name: table.lookup_multimodal(step.rope_positions, section)
+                for name, table in self.rotary.items()
+            }
+        else:
+            rope = {name: table.lookup(positions) for name, table in self.rotary.items()}
         ctx = ForwardContext(rope, backend, kv_caches, meta, self.fused_ops)
         x = self.embed_tokens(input_ids)
         scale = self.embedding_scale()
         if scale is not None:  # in the activations' dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
+        if step is not None and step.rows.numel():  # image rows: the encoder's, unscaled
+            x = x.index_copy(0, step.rows, step.embeds.to(x.dtype))
         return x, ctx
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -33,6 +33,12 @@ class ArchitectureInfo:
     experts: bool = False
 
 
+def text_config(cfg: PretrainedConfig) -> PretrainedConfig:
+    """A vision-language config's text part (vocabulary, context, layers); a text model's
+    config is its own."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
 class CausalLM(Protocol):
     shard: Shard
 

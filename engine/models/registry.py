@@ -5,7 +5,7 @@ one file in this folder and one row here."""
 from __future__ import annotations
 
 import importlib
-from typing import cast
+from typing import Any, cast
 
 from transformers import PretrainedConfig
 
@@ -24,6 +24,14 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     "BertModel": ("bert", "BertModel", "bert"),
+    # Vision-language: images in the prompt (engine/multimodal).
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration", "llava"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "qwen2_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_vl",
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -45,6 +53,12 @@ def resolve_architecture(hf_config: PretrainedConfig) -> str:
 def describe(hf_config: PretrainedConfig) -> ArchitectureInfo:
     """What the engine needs to know of the model before building it."""
     return model_class(resolve_architecture(hf_config)).describe(hf_config)
+
+
+def image_processing_of(architecture: str) -> Any:
+    """The architecture's `processing(cfg, path, tokenizer)` factory, or None for a model that
+    reads no images."""
+    return getattr(model_class(architecture), "processing", None)
 
 
 def model_class(architecture: str) -> ModelClass:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.multimodal.step_input import Chunk, MultiModalBatch, multimodal_batch
 from kernels.attention import AttentionMetadata
 
 HEADER = 6  # the packed form's lengths: tokens, requests, table width, logits, copies, LoRA slots
@@ -40,6 +41,9 @@ class HostBatch:
     block_copies: list[tuple[int, int]]
     # Per request, the LoRA slot its rows run under (-1: the base model); empty without LoRA.
     lora_slots: list[int] = field(default_factory=list)
+    # The step's image rows and encoder work; None without images. Not packed: it stays on
+    # rank 0 (vision-language models run on one device).
+    mm: MultiModalBatch | None = None
     # The packed form, kept once made: rank 0 packs a step for the pipe and for its own upload,
     # a worker receives it packed. A batch is never changed after it is packed.
     _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -133,6 +137,14 @@ class HostBatch:
         return ModelInput(input_ids, positions, attn, logits_indices, self.block_copies)
 
 
+def _multimodal(out: SchedulerOutput) -> MultiModalBatch | None:
+    chunks = [
+        Chunk(s.seq.mm, s.start, s.start + s.num_new_tokens, s.seq.num_prompt_tokens)
+        for s in out.scheduled
+    ]
+    return multimodal_batch(chunks, out.encoder_inputs, out.encoder_evicted)
+
+
 class PinnedUpload:
     """Host int64 tensors to a CUDA device through one reused page-locked buffer, so that the
     copy is asynchronous (a copy from pageable memory makes the host wait). Elsewhere a plain
@@ -182,9 +194,13 @@ class StepBatch:
 
 
 def build_step_batch(
-    out: SchedulerOutput, block_size: int, lora_slot: Callable[[Sequence], int] | None = None
+    out: SchedulerOutput,
+    block_size: int,
+    lora_slot: Callable[[Sequence], int] | None = None,
+    multimodal: bool = False,
 ) -> StepBatch:
-    """`lora_slot`: each sequence's adapter slot (-1 for the base model), when LoRA is on."""
+    """`lora_slot`: each sequence's adapter slot (-1 for the base model), when LoRA is on;
+    `multimodal`: the model reads images, whose rows the batch then lists."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -239,5 +255,6 @@ def build_step_batch(
         logits_indices,
         out.block_copies,
         [lora_slot(s.seq) for s in out.scheduled] if lora_slot is not None else [],
+        _multimodal(out) if multimodal else None,
     )
     return StepBatch(host, logits_rows, pending)

@@ -20,6 +20,8 @@ from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots, PlacedAdapter
 from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
+from engine.models.vision_language import VisionLanguageModel
+from engine.multimodal.step_input import EncoderOutputs
 from engine.pooling import pool
 from engine.worker.cpu import prepare_model
 from engine.worker.cpu.activation_quant import use_int8_activations
@@ -65,6 +67,8 @@ class ModelRunner:
         # Layers whose inputs each step keeps for an EAGLE-3 head (`capture_aux_hidden`).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # Images' encoder outputs, kept from the step that encodes one until it is evicted.
+        self.encoder_outputs = EncoderOutputs()
         self._allocate(1)
 
     def _allocate(self, num_blocks: int) -> None:
@@ -136,11 +140,26 @@ class ModelRunner:
             self.lora.begin_step(batch.lora_slots, batch.query_lens, self.device)
         if self.aux_layers:
             return self._execute_with_aux(batch)
+        if batch.mm is not None:
+            return self._execute_with_images(batch)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch, self.upload))
         inp = batch.to_device(self.device, self.upload)
         hidden = self.model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def _execute_with_images(self, batch: HostBatch) -> torch.Tensor | None:
+        """A step with image rows (or encoder work): eager, the encoder's outputs in place of
+        the image tokens' embeddings."""
+        model = self.model
+        assert isinstance(model, VisionLanguageModel) and batch.mm is not None
+        model.mm_step = self.encoder_outputs.prepare(batch.mm, model.encode_image, self.device)
+        try:
+            inp = batch.to_device(self.device, self.upload)
+            hidden = model(inp.input_ids, inp.positions, self.backend, self.kv_caches, inp.attn)
+        finally:
+            model.mm_step = None
+        return model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
     def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
         """From now on every step keeps, for all its rows, the inputs to `layers`

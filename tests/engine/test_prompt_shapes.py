@@ -64,7 +64,7 @@ def test_generate_takes_every_shape_with_equal_results(llm: LLM) -> None:
         ({"prompt_token_ids": [1, "2"]}, "'prompt_token_ids' holds a list"),
         ({"prompt": [1, 2]}, "'prompt' holds a list"),
         ({"prompt": "a", "prompt_token_ids": [1]}, "keys ['prompt', 'prompt_token_ids']"),
-        ({"prompt": "a", "multi_modal_data": {}}, "keys ['multi_modal_data', 'prompt']"),
+        ({"prompt": "a", "cache_salt": "s"}, "keys ['cache_salt', 'prompt']"),
         ({}, "keys []"),
         (3.5, "got float"),
         ([[1, 2]], "got list"),

@@ -148,6 +148,20 @@ class RotaryEmbedding:
         """cos and sin for each token, [T, 1, dim]: looked up once per step, used by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+    def lookup_multimodal(
+        self, positions: torch.Tensor, section: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multimodal rotary (Qwen2-VL's M-RoPE): `positions` [3, T] (time, height, width);
+        the rotated pairs are split in `section` sizes, the i-th part turning by axis i's
+        position. A text token has equal positions on all three, which is `lookup`'s."""
+        sizes = list(section) * 2  # the same split in both halves of the rotate-half layout
+
+        def pick(table: torch.Tensor) -> torch.Tensor:
+            parts = table[positions].split(sizes, dim=-1)  # each [3, T, size]
+            return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1).unsqueeze(1)
+
+        return pick(self.cos), pick(self.sin)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, dim], rotate-half layout."""
