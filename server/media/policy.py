@@ -48,8 +48,9 @@ def non_public(address: IPAddress) -> str | None:
 
 
 async def resolve_checked(host: str, port: int, policy: MediaPolicy, where: str) -> list[str]:
-    """The addresses to connect to for `host`, in order: every address the name has must be public, unless
-    the host is allowed by name (an internal image store the operator vouches for)."""
+    """The addresses to connect to for `host`, in order. Every address the name has must be
+    public, unless the host is allowed by name (an internal image store the operator vouches
+    for)."""
     name = named_host(host)
     literal = True
     try:
