@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -200,6 +201,9 @@ class LLMEngine:
                 size or max(config.scheduler.max_num_batched_tokens, 16384)
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras, encoder_cache)
+        # Image preprocessing times, appended by whichever thread expands a prompt's images.
+        self._preprocessing: deque[float] = deque()
+        self._mm_counts_taken = (0, 0, 0)
         self.sampler = Sampler(config.model.seed)
         self.speculator = make_speculator(config, spec, self.kv, num_blocks, self.executor)
         self.requests: dict[str, Request] = {}
@@ -233,7 +237,10 @@ class LLMEngine:
                 f"the model {self.info.model or self.model_path} reads no images: send text only",
                 param="messages",
             )
-        return expand_images(self.image_processing, self.tokenize(prompt), images)
+        started = time.perf_counter()
+        expanded = expand_images(self.image_processing, self.tokenize(prompt), images)
+        self._preprocessing.append(time.perf_counter() - started)
+        return expanded
 
     def check_images(self, mm: MultiModalInputs | None, params: SamplingParams) -> None:
         """Images a request cannot be served with (InvalidRequestError); thread-safe."""
@@ -783,12 +790,23 @@ class LLMEngine:
         stats.num_free_blocks = self.kv.pool.num_free
         if self.speculator is not None:
             stats.spec_decode = self.speculator.take_stats()
+        if scheduler.encoder is not None:
+            self._take_mm_stats(stats, scheduler.encoder)
         if self.kv_events is not None:
             stats.kv_events_dropped = self.kv_events.take_dropped()
         if self.loras is not None:
             stats.running_loras = _adapter_names(scheduler.running)
             stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
+
+    def _take_mm_stats(self, stats: EngineStats, cache: EncoderCache) -> None:
+        counts = (cache.queries, cache.hits, cache.encoded)
+        taken, self._mm_counts_taken = self._mm_counts_taken, counts
+        stats.mm_cache_queries, stats.mm_cache_hits, stats.mm_images_encoded = (
+            now - before for now, before in zip(counts, taken)
+        )
+        while self._preprocessing:
+            stats.mm_preprocessing_seconds.append(self._preprocessing.popleft())
 
     def _record_prompt_logprobs(
         self,

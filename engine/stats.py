@@ -72,5 +72,11 @@ class EngineStats:
     waiting_loras: list[str] = field(default_factory=list)
     # Adapters unloaded since the previous snapshot, once no request ran under them any more.
     unloaded_loras: list[str] = field(default_factory=list)
+    # Images (vision-language models only): encoder-cache lookups and hits, images encoded,
+    # and each prompt's image preprocessing time (seconds).
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
+    mm_images_encoded: int = 0
+    mm_preprocessing_seconds: list[float] = field(default_factory=list)
     # Speculative decoding (--speculative-config) only.
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)

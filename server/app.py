@@ -83,6 +83,7 @@ def attach_metrics(engine: EngineClient, config: ServerConfig) -> EngineMetrics:
         MetricNames(config.metrics_names),
         info.max_loras,
         info.num_speculative_tokens,
+        info.accepts_images,
     )
     engine.on_stats = metrics.record
     return metrics

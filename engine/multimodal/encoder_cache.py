@@ -35,9 +35,11 @@ class EncoderCache:
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # cached outputs, least recent first
         self.readers: dict[bytes, set[str]] = {}  # hash -> sequences still to read it
         self.evicted: list[bytes] = []  # since the runner last took them
-        # Counted for the metrics: images a chunk reached, and those found cached.
+        # Counted for the metrics, from the start: images a chunk reached, those found cached,
+        # and those encoded.
         self.queries = 0
         self.hits = 0
+        self.encoded = 0
 
     @property
     def used(self) -> int:
@@ -86,6 +88,7 @@ class EncoderCache:
                 self.rows.move_to_end(item.hash)
             self.readers.setdefault(item.hash, set()).add(seq_id)
         for item in plan.encode:
+            self.encoded += 1
             self._evict_for(item.num_embeds)
             self.rows[item.hash] = item.num_embeds
 

@@ -11,6 +11,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import EngineStats
+from server.metrics.multimodal import MultiModalMetrics
 from server.metrics.names import MetricNames
 from server.metrics.spec_decode import SpecDecodeMetrics
 
@@ -117,9 +118,11 @@ class EngineMetrics:
         names: MetricNames | None = None,
         max_loras: int | None = None,
         num_speculative_tokens: int | None = None,
+        images: bool = False,
     ) -> None:
         """`max_loras`: the LoRA slots, when LoRA is on (its metrics exist only then);
-        `num_speculative_tokens`: the tokens guessed per step, when speculation is on (ditto)."""
+        `num_speculative_tokens`: the tokens guessed per step, when speculation is on (ditto);
+        `images`: the model reads images (ditto for the image metrics)."""
         self.registry = registry
         names = names or MetricNames()
         fixed = names.labels
@@ -216,6 +219,7 @@ class EngineMetrics:
         self.spec_decode: SpecDecodeMetrics | None = None
         if num_speculative_tokens is not None:
             self.spec_decode = SpecDecodeMetrics(registry, names, num_speculative_tokens, labels, m)
+        self.multimodal = MultiModalMetrics(registry, names, labels, m) if images else None
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""
@@ -245,6 +249,8 @@ class EngineMetrics:
             self.lora.record(stats)
         if self.spec_decode is not None:
             self.spec_decode.record(stats.spec_decode)
+        if self.multimodal is not None:
+            self.multimodal.record(stats)
         for done in stats.finished:
             self.success[done.finish_reason].inc()
             self.e2e.observe(done.e2e_latency)

@@ -43,6 +43,8 @@ IN_VLLM = frozenset(
         "spec_decode_num_draft_tokens",
         "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos",
+        "mm_cache_queries",
+        "mm_cache_hits",
     }
 )
 
