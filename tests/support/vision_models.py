@@ -27,16 +27,25 @@ _LLAVA_TEMPLATE = (
 )
 
 
-def test_image(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
+def sample_image(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
     """A random RGB image (width, height): each seed its own pixels."""
     pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels, "RGB")
 
 
-def build_llava(folder: Path, seed: int = 0, strategy: str = "default") -> Path:
+def build_llava(
+    folder: Path,
+    seed: int = 0,
+    strategy: str = "default",
+    vision: dict | None = None,
+    text: dict | None = None,
+    image_px: int = 28,
+) -> Path:
     """A tiny LLaVA: a CLIP tower (28x28 images, 14-pixel patches: 4 image tokens, 5 with
     the class token under the "full" strategy), a two-layer projector, a Llama text model with
-    the Llama-3.2 tokenizer plus its `<image>` token, and LlavaProcessor's files."""
+    the Llama-3.2 tokenizer plus its `<image>` token, and LlavaProcessor's files. `vision`,
+    `text`: config values that replace the tiny ones; `image_px`: the processor's image side
+    (the tower's `image_size`)."""
     from transformers import (
         AutoTokenizer,
         CLIPVisionConfig,
@@ -50,29 +59,35 @@ def build_llava(folder: Path, seed: int = 0, strategy: str = "default") -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama"))
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        projection_dim=32,
+    vision_config = CLIPVisionConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "image_size": image_px,
+            "patch_size": 14,
+            "projection_dim": 32,
+            **(vision or {}),
+        }
     )
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
+    text_config = LlamaConfig(
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "eos_token_id": tok.eos_token_id,
+            **(text or {}),
+        }
     )
     cfg = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=vision_config,
+        text_config=text_config,
         image_token_index=image_id,
         vision_feature_select_strategy=strategy,
         vision_feature_layer=-2,
@@ -87,10 +102,10 @@ def build_llava(folder: Path, seed: int = 0, strategy: str = "default") -> Path:
     model.save_pretrained(folder)
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessorPil(
-            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+            size={"shortest_edge": image_px}, crop_size={"height": image_px, "width": image_px}
         ),
         tokenizer=tok,
-        patch_size=14,
+        patch_size=vision_config.patch_size,
         vision_feature_select_strategy=strategy,
         num_additional_image_tokens=1,
         chat_template=_LLAVA_TEMPLATE,
