@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from config import EngineConfig
 from engine.client import EngineRequest, PoolingRequest
@@ -36,9 +36,14 @@ from engine.llm_engine import CheckedRequest, LLMEngine
 from engine.lora import LoRALoadError, LoRARequest
 from engine.lora.read_threads import ReadThreads
 from engine.lora.slots import PlacedAdapter
+from engine.multimodal import MultiModalInputs
 from engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from engine.processing.tokenization import encode
 from engine.stats import EngineStats
 from engine.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +221,7 @@ class AsyncEngine:
         params = request.params
         self.info.validate(request.prompt_token_ids, params)
         self.info.check_priority(request.priority)
+        self.engine.check_images(request.multi_modal, params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile(params.structured_outputs)
@@ -223,6 +229,16 @@ class AsyncEngine:
         return cast(
             AsyncGenerator[RequestOutput, None], self._stream(request, CheckedRequest(grammar))
         )
+
+    async def expand_images(
+        self, prompt: str | list[int], images: list[Image]
+    ) -> tuple[list[int], MultiModalInputs]:
+        """`LLMEngine.expand_images` on a worker thread: the image processor is CPU work the
+        event loop and the engine thread must not wait on. Text is tokenized first, here, with
+        the caller's tokenizer (`info.tokenizer`): the worker thread never touches a tokenizer."""
+        if isinstance(prompt, str):
+            prompt = encode(self.info.tokenizer, prompt)
+        return await asyncio.to_thread(self.engine.expand_images, prompt, images)
 
     async def submit_pooling(
         self, request: PoolingRequest
@@ -461,6 +477,7 @@ class AsyncEngine:
                 checked=item.checked,
                 priority=request.priority,
                 lora_request=request.lora_request,
+                multi_modal=request.multi_modal,
             )
         except InvalidRequestError as exc:  # an id already in use
             item.sink.send(exc)

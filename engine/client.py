@@ -13,15 +13,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.engine_info import EngineInfo
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.lora import LoRALoadError, LoRARequest
+from engine.multimodal import MultiModalInputs
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 __all__ = [
     "EngineClient",
@@ -43,6 +47,8 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0  # lower is served earlier (--scheduling-policy priority)
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs under
+    # The prompt's images (`expand_images`): prompt_token_ids then hold their expanded spans.
+    multi_modal: MultiModalInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,14 @@ class EngineClient(Protocol):
     async def submit_pooling(
         self, request: PoolingRequest
     ) -> AsyncGenerator[PoolingRequestOutput, None]: ...
+
+    async def expand_images(
+        self, prompt: str | list[int], images: list[Image]
+    ) -> tuple[list[int], MultiModalInputs]:
+        """The prompt's tokens with each image placeholder expanded into its image's span, and
+        the images as the engine reads them (InvalidRequestError when they do not pair up, or
+        the model reads no images). Runs the image processor off the event loop."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -14,7 +14,7 @@ from engine.client import EngineRequest
 from engine.processing.tokenization import encode_chat
 from engine.structured import SchemaError, StructuredOutputsParams
 from server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, invalid
-from server.openai.protocol import ChatMessage, SamplingFields
+from server.openai.protocol import ChatMessage, ContentPart, SamplingFields
 from server.state import ServerState
 
 # Where each way of giving a JSON schema holds the schema itself, for a 400 about its content.
@@ -215,23 +215,36 @@ def _tool_calls(message: ChatMessage, i: int, call_ids: set[str]) -> list[dict[s
     return calls
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: content a string (text parts joined), the
-    other fields of each message passed through; a tool message must answer an earlier call."""
+def _parts(content: list[ContentPart], where: str, images: bool) -> str | list[dict[str, str]]:
+    """Text parts joined into one string; or, for a model that reads images, the parts in
+    order as transformers' chat templates take them (`{"type": "image"}` where an image goes:
+    the template writes the model's placeholder there)."""
+    parts: list[dict[str, str]] = []
+    for j, part in enumerate(content):
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and images:
+            parts.append({"type": "image"})
+        else:
+            only = "text and image_url" if images else "only text"
+            raise invalid(
+                f"content part of type {part.type!r} is not supported: {only}", f"{where}.{j}"
+            )
+    return parts if images else "\n".join(p["text"] for p in parts)
+
+
+def chat_messages(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content a string (text parts joined) or, with
+    `images` (a model that reads them), a list of text and image parts; the other fields of
+    each message passed through; a tool message must answer an earlier call."""
     rendered = []
     call_ids: set[str] = set()
     for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise invalid(
-                        f"content part of type {part.type!r} is not supported: only text",
-                        f"messages.{i}.content.{j}",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
+        content: str | list[dict[str, str]] | None = (
+            _parts(message.content, f"messages.{i}.content", images)
+            if isinstance(message.content, list)
+            else message.content
+        )
         if message.tool_calls and message.role != "assistant":
             raise invalid(
                 "only assistant messages may carry tool_calls", f"messages.{i}.tool_calls"

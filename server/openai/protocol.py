@@ -237,9 +237,18 @@ class SamplingFields(_Request):
                 raise InvalidRequestError(f"{name} is not supported by this server", name)
 
 
-class TextPart(_Request):
+class ImageURL(_Request):
+    url: str  # data:, http(s):// or file:// (server/media checks and loads it)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ContentPart(_Request):
+    """One part of a message's content: `text`, or `image_url` (for a model that reads
+    images); other types are refused where the conversation is rendered."""
+
     type: str
     text: Text | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Request):
@@ -255,7 +264,7 @@ class MessageToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Text
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message: which call it answers
 

@@ -15,10 +15,17 @@ from fastapi.responses import StreamingResponse
 
 from engine import RequestOutput, SamplingParams
 from engine.client import EngineRequest
+from engine.multimodal import MultiModalInputs
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputsParams
 from server.http.streaming import event_stream, last_output, until_disconnected
 from server.openai.chat.generic_tools import generic_messages
+from server.openai.chat.images import (
+    check_reads_images,
+    expand_images,
+    image_parts,
+    load_images,
+)
 from server.openai.chat.output import ChoiceShaper, ended_by_itself, whole_message
 from server.openai.chat.protocol import (
     ChatChoice,
@@ -70,7 +77,7 @@ async def prepare_chat(
         # (In the generic format a JSON answer the request asks for is part of the grammar: an
         # error in its schema names the request's own field.)
         constraint = (plan.constraint, given[1] if given else "tools")
-    prompt_ids = await render_prompt(state, req, plan)
+    prompt_ids, multi_modal = await prompt_with_images(state, req, plan)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -84,18 +91,39 @@ async def prepare_chat(
     outputs = await submit(
         state,
         EngineRequest(
-            request_id, prompt_ids, prompt_ids, params, req.priority, state.lora_for(req.model)
+            request_id,
+            prompt_ids,
+            prompt_ids,
+            params,
+            req.priority,
+            state.lora_for(req.model),
+            multi_modal,
         ),
         constraint_param,
     )
     return PreparedChat(prompt_ids, params, plan, state.config.reasoning_parser, outputs)
 
 
+async def prompt_with_images(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
+) -> tuple[list[int], MultiModalInputs | None]:
+    """The prompt's token ids, each image part's span expanded in them (usage counts these),
+    and its images for the engine (None: a text prompt)."""
+    parts = image_parts(req.messages)
+    check_reads_images(state, parts)
+    prompt_ids = await render_prompt(state, req, plan)
+    if not parts:
+        return prompt_ids, None
+    images = await load_images(state, parts)
+    return await expand_images(state, prompt_ids, images)
+
+
 async def render_prompt(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
 ) -> list[int]:
-    """The prompt's token ids: the conversation and its tools through the chat template."""
-    messages = chat_messages(req.messages)
+    """The prompt's token ids: the conversation and its tools through the chat template (one
+    placeholder per image part, not yet expanded)."""
+    messages = chat_messages(req.messages, state.engine.info.accepts_images)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     if plan.mode == "auto" and plan.parser == "generic" and req.tools:
         # The template knows no tools: they are told in a system message of ours instead.

@@ -329,7 +329,7 @@ EMPTY_AND_TOKENS = [
             ]
         },
         "messages.0.content.0",
-        ("image_url", "only text"),
+        ("reads no images",),
     ),
     Bad(
         "content-part-second-image",
@@ -347,7 +347,7 @@ EMPTY_AND_TOKENS = [
             ]
         },
         "messages.1.content.1",
-        ("image_url",),
+        ("reads no images",),
     ),
     Bad(
         "response_format-json-schema-without-schema",
