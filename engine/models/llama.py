@@ -16,12 +16,16 @@ from engine.models.layers.attention import Attention, AttentionOptions, ForwardC
 from engine.models.layers.mlp import GatedMLP
 from engine.models.layers.norm import RMSNorm
 
+# Text models with q/k/v bias: Qwen2's, and Qwen2-VL's and Qwen2.5-VL's (Qwen2 with M-RoPE).
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+
 
 def llama_attention(cfg: PretrainedConfig, model: DecoderModel, index: int) -> Attention:
     return model.attention(
         index,
         AttentionOptions(
-            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qkv_bias=cfg.model_type in QKV_BIAS_MODEL_TYPES
+            or bool(getattr(cfg, "attention_bias", False)),
             o_bias=bool(getattr(cfg, "attention_bias", False)),
             qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
             norm_eps=cfg.rms_norm_eps,

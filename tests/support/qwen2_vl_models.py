@@ -9,6 +9,7 @@ processor reads.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -152,13 +153,18 @@ def reference_processor(folder: Path):
     )
 
 
+@cache
+def _float32_model(kind: str, folder: str):
+    return hf_model_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def hf_qwen_vl_greedy(
     folder: Path, kind: str, text: str, images: list[Image.Image], max_new_tokens: int
 ) -> tuple[list[int], list[int]]:
     """(the prompt's token ids, transformers' greedy tokens after it), float32, EOS ignored,
     for `text` with one <|vision_start|><|image_pad|><|vision_end|> per image."""
     inputs = reference_processor(folder)(images=images or None, text=[text], return_tensors="pt")
-    model = hf_model_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
+    model = _float32_model(kind, str(folder))
     with torch.no_grad():
         out = model.generate(
             **inputs,
