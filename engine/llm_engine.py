@@ -198,7 +198,8 @@ class LLMEngine:
             self.image_processing = processing(spec.hf_config, spec.path, self.tokenizer)
             size = config.scheduler.encoder_cache_size
             encoder_cache = EncoderCache(
-                size or max(config.scheduler.max_num_batched_tokens, 16384)
+                size or max(config.scheduler.max_num_batched_tokens, 16384),
+                whole_spans=self.image_processing.whole_spans,
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras, encoder_cache)
         # Image preprocessing times, appended by whichever thread expands a prompt's images.
@@ -251,7 +252,7 @@ class LLMEngine:
                 "beam search is not served for prompts with images", "use_beam_search"
             )
         if self.scheduler.encoder is not None:
-            self.scheduler.encoder.check_fits(mm)
+            self.scheduler.encoder.check_fits(mm, self.config.scheduler.max_num_batched_tokens)
 
     def check(
         self,

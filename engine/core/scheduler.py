@@ -196,6 +196,9 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
+            if self.encoder is not None and seq.mm is not None:
+                start = self.encoder.whole_span_start(seq.mm, len(hits) * self.kv.block_size)
+                hits = hits[: start // self.kv.block_size]
             num_cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if seq.pooling is not None and num_new < seq.num_tokens - num_cached:

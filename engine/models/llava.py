@@ -73,6 +73,7 @@ class LlavaProcessing:
         self.placeholder_text = str(tokenizer.convert_ids_to_tokens(self.placeholder_id))
         self.patch_size = int(cfg.vision_config.patch_size)
         self.class_token = cfg.vision_feature_select_strategy == "full"
+        self.whole_spans = False  # causal attention over image tokens, as over text
 
     def preprocess(self, image: Image) -> dict[str, torch.Tensor]:
         out = self.image_processor(images=[image], return_tensors="pt")

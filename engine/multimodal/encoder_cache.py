@@ -30,8 +30,11 @@ class EncoderPlan:
 
 
 class EncoderCache:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, whole_spans: bool = False) -> None:
         self.capacity = capacity  # embedding rows
+        # The model's image tokens attend to each other both ways (Gemma 3): a span is computed
+        # in one chunk, never begun in one step and finished in another.
+        self.whole_spans = whole_spans
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # cached outputs, least recent first
         self.readers: dict[bytes, set[str]] = {}  # hash -> sequences still to read it
         self.evicted: list[bytes] = []  # since the runner last took them
@@ -45,8 +48,16 @@ class EncoderCache:
     def used(self) -> int:
         return sum(self.rows.values())
 
-    def check_fits(self, mm: MultiModalInputs) -> None:
+    def check_fits(self, mm: MultiModalInputs, chunk_limit: int) -> None:
+        """Refuse an image the cache can never hold, or (whole spans) whose span no chunk of
+        `chunk_limit` tokens can hold."""
         for index, item in enumerate(mm.items):
+            if self.whole_spans and item.length > chunk_limit:
+                raise InvalidRequestError(
+                    f"image {index} takes {item.length} prompt tokens, computed in one step: "
+                    f"more than a step's budget ({chunk_limit}, --max-num-batched-tokens)",
+                    param="multi_modal_data",
+                )
             if item.num_embeds > self.capacity:
                 raise InvalidRequestError(
                     f"image {index} needs {item.num_embeds} encoder rows, more than the encoder "
@@ -76,7 +87,25 @@ class EncoderCache:
                 plan.read.pop()
                 return max(0, item.offset - start), plan
             plan.encode.append(item)
+        if self.whole_spans:
+            for item in plan.read:
+                if item.end > start + num_new:  # the chunk would end inside the span
+                    cut = plan.read.index(item)
+                    plan.encode = [i for i in plan.encode if i in plan.read[:cut]]
+                    plan.read = plan.read[:cut]
+                    return max(0, item.offset - start), plan
         return num_new, plan
+
+    def whole_span_start(self, mm: MultiModalInputs, cached: int) -> int:
+        """Where a sequence may begin computing, given `cached` prompt tokens found in the
+        prefix cache: never inside a span that must be computed whole (the hit stops before
+        it)."""
+        if not self.whole_spans:
+            return cached
+        for item in mm.items:
+            if item.offset < cached < item.end:
+                return item.offset
+        return cached
 
     def commit(self, seq_id: str, plan: EncoderPlan) -> None:
         """The chunk was scheduled: its new images take room (evicting what no one reads), and

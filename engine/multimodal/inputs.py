@@ -4,7 +4,7 @@ the prefix cache's block hashes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,3 +48,5 @@ class MultiModalStep:
     rows: torch.Tensor  # [R] int64
     embeds: torch.Tensor  # [R, hidden]
     rope_positions: torch.Tensor | None  # [3, T]
+    # (first row, end row, sequence index in the step) of each image wholly in the step.
+    image_spans: list[tuple[int, int, int]] = field(default_factory=list)

@@ -27,6 +27,8 @@ class ImageProcessing(Protocol):
     placeholder_text: str
     # The token of the span positions that take the encoder's rows.
     embed_id: int
+    # The span's tokens attend to each other both ways (Gemma 3): computed in one chunk.
+    whole_spans: bool
 
     def preprocess(self, image: Image) -> dict[str, torch.Tensor]:
         """One image's encoder inputs (the model's Hugging Face image processor)."""

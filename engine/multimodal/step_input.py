@@ -19,6 +19,9 @@ class MultiModalBatch:
     rows: list[int]  # batch rows whose embedding is an encoder output row
     sources: list[tuple[bytes, int]]  # per such row: (image hash, row of that image's output)
     rope_positions: torch.Tensor | None  # [3, num_tokens], int64; None: positions as given
+    # Per image whose every embedding row is in this step: (first row, end row, the index of
+    # its sequence in the step): what attends both ways where the model's images do.
+    image_spans: list[tuple[int, int, int]]
 
 
 @dataclass(frozen=True)
@@ -37,24 +40,28 @@ def multimodal_batch(
     """None for a step with no image anywhere (no rows, nothing to encode or drop)."""
     rows: list[int] = []
     sources: list[tuple[bytes, int]] = []
+    spans: list[tuple[int, int, int]] = []
     any_rope = any(c.mm is not None and c.mm.rope_positions is not None for c in chunks)
     rope_columns: list[torch.Tensor] = []
     row0 = 0
-    for c in chunks:
+    for index, c in enumerate(chunks):
         if c.mm is not None:
             for item in c.mm.items_in(c.start, c.end):
+                first = len(rows)
                 for j, offset in enumerate(item.embed_positions):
                     position = item.offset + offset
                     if c.start <= position < c.end:
                         rows.append(row0 + position - c.start)
                         sources.append((item.hash, j))
+                if len(rows) - first == item.num_embeds:
+                    spans.append((rows[first], rows[-1] + 1, index))
         if any_rope:
             rope_columns.append(_rope_columns(c.mm, c.start, c.end, c.num_prompt))
         row0 += c.end - c.start
     if not rows and not encode and not evicted and not any_rope:
         return None
     rope = torch.cat(rope_columns, dim=1) if any_rope else None
-    return MultiModalBatch(list(encode), list(evicted), rows, sources, rope)
+    return MultiModalBatch(list(encode), list(evicted), rows, sources, rope, spans)
 
 
 def _rope_columns(
@@ -101,4 +108,4 @@ class EncoderOutputs:
             embeds = torch.empty(0)
         rope = None if batch.rope_positions is None else batch.rope_positions.to(device)
         rows = torch.tensor(batch.rows, dtype=torch.int64, device=device)
-        return MultiModalStep(rows, embeds, rope)
+        return MultiModalStep(rows, embeds, rope, batch.image_spans)
