@@ -82,6 +82,7 @@ class Qwen2VLProcessing:
         self.placeholder_id = self.embed_id = int(cfg.image_token_id)
         self.placeholder_text = str(tokenizer.convert_ids_to_tokens(self.placeholder_id))
         self.merge_size = int(self.image_processor.merge_size)
+        self.whole_spans = False  # causal attention over image tokens, as over text
 
     def preprocess(self, image: Image) -> dict[str, torch.Tensor]:
         out = self.image_processor(images=[image], return_tensors="pt")
