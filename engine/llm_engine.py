@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -35,8 +34,8 @@ from engine.lora.request import LoRARequest
 from engine.lora.slots import PlacedAdapter
 from engine.models.registry import image_processing_of
 from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.image_inputs import ImageInputs
 from engine.multimodal.inputs import MultiModalInputs
-from engine.multimodal.processing import ImageProcessing, expand_images
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -191,20 +190,18 @@ class LLMEngine:
         self._unloading: set[LoRARequest] = set()
         # Images in prompts: the model's processing (placeholders into spans) and the cache
         # of its encoder's outputs.
-        self.image_processing: ImageProcessing | None = None
+        self.images: ImageInputs | None = None
         encoder_cache = None
         processing = image_processing_of(spec.architecture)
         if processing is not None:
-            self.image_processing = processing(spec.hf_config, spec.path, self.tokenizer)
-            size = config.scheduler.encoder_cache_size
+            image_processing = processing(spec.hf_config, spec.path, self.tokenizer)
+            budget = config.scheduler.max_num_batched_tokens
             encoder_cache = EncoderCache(
-                size or max(config.scheduler.max_num_batched_tokens, 16384),
-                whole_spans=self.image_processing.whole_spans,
+                config.scheduler.encoder_cache_size or max(budget, 16384),
+                whole_spans=image_processing.whole_spans,
             )
+            self.images = ImageInputs(image_processing, encoder_cache, budget)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_loras, encoder_cache)
-        # Image preprocessing times, appended by whichever thread expands a prompt's images.
-        self._preprocessing: deque[float] = deque()
-        self._mm_counts_taken = (0, 0, 0)
         self.sampler = Sampler(config.model.seed)
         self.speculator = make_speculator(config, spec, self.kv, num_blocks, self.executor)
         self.requests: dict[str, Request] = {}
@@ -233,26 +230,17 @@ class LLMEngine:
         """The prompt's tokens with each image placeholder expanded into its image's span, and
         its images as the engine reads them (InvalidRequestError when they do not pair up or
         the model reads no images). Thread-safe: the server runs it off the event loop."""
-        if self.image_processing is None:
+        if self.images is None:
             raise InvalidRequestError(
                 f"the model {self.info.model or self.model_path} reads no images: send text only",
                 param="messages",
             )
-        started = time.perf_counter()
-        expanded = expand_images(self.image_processing, self.tokenize(prompt), images)
-        self._preprocessing.append(time.perf_counter() - started)
-        return expanded
+        return self.images.expand(self.tokenize(prompt), images)
 
     def check_images(self, mm: MultiModalInputs | None, params: SamplingParams) -> None:
         """Images a request cannot be served with (InvalidRequestError); thread-safe."""
-        if mm is None:
-            return
-        if params.use_beam_search:
-            raise InvalidRequestError(
-                "beam search is not served for prompts with images", "use_beam_search"
-            )
-        if self.scheduler.encoder is not None:
-            self.scheduler.encoder.check_fits(mm, self.config.scheduler.max_num_batched_tokens)
+        if mm is not None and self.images is not None:
+            self.images.check(mm, params)
 
     def check(
         self,
@@ -513,7 +501,7 @@ class LLMEngine:
             [self.requests[s.seq.request_id] for s in out.scheduled], out.num_tokens, time.time()
         )
         self.step_shape = (len(out.scheduled), out.num_tokens)
-        batch = build_step_batch(out, self.block_size, slot_of, self.image_processing is not None)
+        batch = build_step_batch(out, self.block_size, slot_of, self.images is not None)
         return PlannedStep(out, batch)
 
     def apply_step(self, step: PlannedStep, logits: torch.Tensor) -> AppliedStep:
@@ -791,23 +779,14 @@ class LLMEngine:
         stats.num_free_blocks = self.kv.pool.num_free
         if self.speculator is not None:
             stats.spec_decode = self.speculator.take_stats()
-        if scheduler.encoder is not None:
-            self._take_mm_stats(stats, scheduler.encoder)
+        if self.images is not None:
+            self.images.record(stats)
         if self.kv_events is not None:
             stats.kv_events_dropped = self.kv_events.take_dropped()
         if self.loras is not None:
             stats.running_loras = _adapter_names(scheduler.running)
             stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
-
-    def _take_mm_stats(self, stats: EngineStats, cache: EncoderCache) -> None:
-        counts = (cache.queries, cache.hits, cache.encoded)
-        taken, self._mm_counts_taken = self._mm_counts_taken, counts
-        stats.mm_cache_queries, stats.mm_cache_hits, stats.mm_images_encoded = (
-            now - before for now, before in zip(counts, taken)
-        )
-        while self._preprocessing:
-            stats.mm_preprocessing_seconds.append(self._preprocessing.popleft())
 
     def _record_prompt_logprobs(
         self,
