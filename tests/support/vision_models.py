@@ -117,15 +117,16 @@ def build_llava(
 
 
 def hf_vlm_greedy(
-    folder: Path, text: str, images: list[Image.Image], max_new_tokens: int
+    folder: Path, text: str, images: list[Image.Image], max_new_tokens: int, device: str = "cpu"
 ) -> list[int]:
     """transformers' greedy tokens (float32) for `text` (with the model's image tokens) and
     `images`, through the processor saved in `folder`."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder, backend="pil")
-    inputs = processor(images=images or None, text=[text], return_tensors="pt")
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    inputs = processor(images=images or None, text=[text], return_tensors="pt").to(device)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model = model.to(device).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
