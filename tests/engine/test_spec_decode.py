@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram import lookup
+from engine.stats import EngineStats
 from engine.structured import StructuredOutputsParams
 
 BLOCK = 16
@@ -132,17 +134,33 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     engine.kv.check_consistency()
 
 
-def test_every_request_gets_what_it_gets_without_speculation(engines: dict[bool, LLM]) -> None:
-    batch = repetitive_prompts(LENGTHS, seed=0)
-    results = {}
-    for flag, llm in engines.items():
-        outputs = llm.generate(batch, WORKLOAD)
-        results[flag] = (outputs, llm.last_run_stats)
-        assert_pool_whole(llm.engine)
-    (plain, plain_stats), (spec, spec_stats) = results[False], results[True]
-    assert comparable(spec) == comparable(plain)
+BATCH = repetitive_prompts(LENGTHS, seed=0)
+
+
+@dataclass(frozen=True)
+class PlainRun:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@pytest.fixture(scope="module")
+def plain(engines: dict[bool, LLM]) -> PlainRun:
+    """The workload without speculation, once: what both the n-gram drafts and the oracle's
+    must give."""
+    outputs = engines[False].generate(BATCH, WORKLOAD)
+    assert_pool_whole(engines[False].engine)
+    return PlainRun(outputs, engines[False].last_run_stats)
+
+
+def test_every_request_gets_what_it_gets_without_speculation(
+    engines: dict[bool, LLM], plain: PlainRun
+) -> None:
+    spec = engines[True].generate(BATCH, WORKLOAD)
+    spec_stats, plain_stats = engines[True].last_run_stats, plain.stats
+    assert_pool_whole(engines[True].engine)
+    assert comparable(spec) == comparable(plain.outputs)
     # Logprobs of rows computed several at a time agree to float32 rounding.
-    got, want = logprobs_of(spec), logprobs_of(plain)
+    got, want = logprobs_of(spec), logprobs_of(plain.outputs)
     assert [t for t, _ in got] == [t for t, _ in want]
     assert torch.allclose(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), atol=1e-4
@@ -263,21 +281,21 @@ class OracleProposer:
         pass
 
 
-def test_right_drafts_are_accepted_and_wrong_ones_cut(engines: dict[bool, LLM]) -> None:
-    batch = repetitive_prompts(LENGTHS, seed=1)
-    plain = engines[False].generate(batch, WORKLOAD)
+def test_right_drafts_are_accepted_and_wrong_ones_cut(
+    engines: dict[bool, LLM], plain: PlainRun
+) -> None:
     reference = {
-        (tuple(r.prompt_token_ids), o.index): o.token_ids for r in plain for o in r.outputs
+        (tuple(r.prompt_token_ids), o.index): o.token_ids for r in plain.outputs for o in r.outputs
     }
     speculator = engines[True].engine.speculator
     assert speculator is not None
     ngram, speculator.proposer = speculator.proposer, OracleProposer(reference)
     try:
-        spec = engines[True].generate(batch, WORKLOAD)
+        spec = engines[True].generate(BATCH, WORKLOAD)
     finally:
         speculator.proposer = ngram
-    assert comparable(spec) == comparable(plain)
-    got, want = logprobs_of(spec), logprobs_of(plain)
+    assert comparable(spec) == comparable(plain.outputs)
+    got, want = logprobs_of(spec), logprobs_of(plain.outputs)
     assert [t for t, _ in got] == [t for t, _ in want]
     assert torch.allclose(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), atol=1e-4
@@ -289,7 +307,7 @@ def test_right_drafts_are_accepted_and_wrong_ones_cut(engines: dict[bool, LLM]) 
     assert drafts.num_accepted_tokens > drafts.num_draft_tokens / 2
     assert len(drafts.accepted_per_position) == 3 and drafts.accepted_per_position[2] > 0
     assert drafts.num_accepted_tokens < drafts.num_draft_tokens  # the wrong ones were cut
-    assert len(stats.iteration_tokens) < len(engines[False].last_run_stats.iteration_tokens)
+    assert len(stats.iteration_tokens) < len(plain.stats.iteration_tokens)
     assert_pool_whole(engines[True].engine)
 
 
