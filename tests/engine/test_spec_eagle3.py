@@ -21,6 +21,7 @@ from engine.loading.model_spec import resolve_model_spec
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle3 import Eagle3Proposer
 from engine.spec_decode.eagle3_head import read_settings
+from engine.stats import EngineStats
 from engine.worker.executor import LocalExecutor
 from engine.worker.model_input import build_step_batch
 from tests.support.eagle3_heads import (
@@ -242,6 +243,40 @@ def test_a_head_with_its_own_embedding_reads_it(
     assert drafts == [reference_drafts(tensors, transformers_target, seq.all_token_ids, 3)]
 
 
+SHARED = prompt_of(20, seed=19)  # a prefix the cache serves to the later prompts
+E2E_PROMPTS = [SHARED[:3], SHARED + prompt_of(7, 21), SHARED + prompt_of(30, 22), prompt_of(90, 23)]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def e2e_tokens(
+    target: Path, num_blocks: int, caching: bool, head: Path | None
+) -> tuple[list[list[int]], EngineStats]:
+    """Greedy tokens of the prompts above, and the run's stats."""
+    llm = LLM(
+        model=str(target),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=caching,
+        max_model_len=144,
+        max_num_batched_tokens=48,  # the long prompts take several steps
+        speculative_config=None
+        if head is None
+        else {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+    )
+    try:
+        got = llm.generate([{"prompt_token_ids": p} for p in E2E_PROMPTS], GREEDY)
+        return [o.outputs[0].token_ids for o in got], llm.last_run_stats
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(target_dir: Path) -> list[list[int]]:
+    """Without a head, once: greedy tokens depend on neither the pool nor the prefix cache."""
+    return e2e_tokens(target_dir, NUM_BLOCKS, False, None)[0]
+
+
 @pytest.mark.parametrize(
     ("num_blocks", "caching"),
     [
@@ -250,35 +285,13 @@ def test_a_head_with_its_own_embedding_reads_it(
     ],
 )
 def test_greedy_outputs_are_the_targets_own(
-    target_dir: Path, head_dir: Path, num_blocks: int, caching: bool
+    target_dir: Path, head_dir: Path, plain_tokens: list[list[int]], num_blocks: int, caching: bool
 ) -> None:
-    shared = prompt_of(20, seed=19)  # a prefix the cache serves to the later prompts
-    prompts = [shared[:3], shared + prompt_of(7, 21), shared + prompt_of(30, 22), prompt_of(90, 23)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outputs = {}
-    for name, spec in (("plain", None), ("eagle3", head_dir)):
-        llm = LLM(
-            model=str(target_dir),
-            dtype="float32",
-            block_size=BLOCK,
-            num_kv_blocks=num_blocks,
-            enable_prefix_caching=caching,
-            max_model_len=144,
-            max_num_batched_tokens=48,  # the long prompts take several steps
-            speculative_config=None
-            if spec is None
-            else {"method": "eagle3", "model": str(spec), "num_speculative_tokens": 3},
-        )
-        try:
-            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            outputs[name] = [o.outputs[0].token_ids for o in got]
-            if spec is not None:  # the head drafted: its drafts were verified
-                drafted = llm.last_run_stats.spec_decode
-                assert drafted is not None and drafted.num_draft_tokens > 0
-                assert (llm.last_run_stats.num_preemptions > 0) == (num_blocks < NUM_BLOCKS)
-        finally:
-            llm.engine.close()
-    assert outputs["eagle3"] == outputs["plain"]
+    tokens, stats = e2e_tokens(target_dir, num_blocks, caching, head_dir)
+    assert tokens == plain_tokens
+    # The head drafted: its drafts were verified.
+    assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+    assert (stats.num_preemptions > 0) == (num_blocks < NUM_BLOCKS)
 
 
 def test_tensor_parallelism_is_refused_naming_model(target_dir: Path, head_dir: Path) -> None:
