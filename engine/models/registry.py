@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "BertModel": ("bert", "BertModel", "bert"),
     # Vision-language: images in the prompt (engine/multimodal).
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration", "llava"),
+    "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration", "gemma3"),
     "Idefics3ForConditionalGeneration": (
         "idefics3",
         "Idefics3ForConditionalGeneration",
