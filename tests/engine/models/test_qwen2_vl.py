@@ -1,7 +1,9 @@
 """Qwen2-VL and Qwen2.5-VL end to end: greedy tokens equal transformers' `generate` (its
 Qwen2VLProcessor's inputs, float32) for prompts with one image, two images, and images in two
 turns of a conversation, batched with a text-only prompt; under plain batching, prefill chunked
-into many steps, and a KV pool so small that requests are preempted and recomputed.
+into many steps, a KV pool so small that requests are preempted and recomputed, and prompts read
+back from the prefix cache. Our expansion of the image placeholders equals Qwen2VLProcessor's,
+and both checkpoint layouts load alike.
 
 Every generation runs 40 tokens past a prompt whose images leave its positions well behind its
 indices: a generated token rotated by its index rather than its index plus the prompt's delta
@@ -14,11 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
-from transformers import AutoTokenizer
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.distributed.shard import WHOLE
 from engine.errors import InvalidRequestError
+from engine.models.registry import model_class, resolve_architecture
 from tests.support.qwen2_vl_models import (
     KINDS,
     build_qwen_vl,
@@ -172,3 +178,27 @@ def test_more_images_than_placeholders_is_refused(llm: LLM) -> None:
             ],
             GREEDY,
         )
+
+
+def test_both_checkpoint_layouts_load_alike(model) -> None:
+    """transformers 5 saves `model.layers` beside `visual`; other checkpoints put them under
+    `model.language_model` and `model.visual`: each tensor lands on the same parameter."""
+    folder = model[1]
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        ours = model_class(resolve_architecture(cfg))(cfg, WHOLE)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("visual.") for n in names)
+    assert any(n.startswith("model.layers.") for n in names)
+    params = dict(ours.named_parameters())
+    for name in names:
+        if name.startswith("visual."):
+            newer = "model." + name
+        elif name.startswith("model."):
+            newer = "model.language_model." + name.removeprefix("model.")
+        else:
+            newer = name
+        target = ours._locate(name)
+        assert target is not None and target[0] in params, name
+        assert ours._locate(newer) == target, newer
