@@ -79,6 +79,10 @@ CHARTED_FAMILIES = {
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
+    "mm_cache_queries",
+    "mm_cache_hits",
+    "mm_images_encoded",
+    "mm_preprocessing_seconds",
 }
 
 # A metric selector in PromQL: the name (digits included: e2e_...) and, when present, its {matchers}.
@@ -119,20 +123,23 @@ def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
     return families(response.text)
 
 
-def speculative_families() -> dict[str, tuple[str, set[str]]]:
-    """What a server started with --speculative-config adds to its page (the test server runs
-    without): the server's own collector with speculation on, rendered as /metrics renders it."""
-    metrics = EngineMetrics(CollectorRegistry(), "m", 16, 64, 128, num_speculative_tokens=2)
+def optional_families() -> dict[str, tuple[str, set[str]]]:
+    """What a server started with --speculative-config, or on a vision-language model, adds to
+    its page (the test server is neither): the server's own collector with both on, rendered as
+    /metrics renders it."""
+    metrics = EngineMetrics(
+        CollectorRegistry(), "m", 16, 64, 128, num_speculative_tokens=2, images=True
+    )
     return {
         name: family
         for name, family in families(generate_latest(metrics.registry).decode()).items()
-        if "spec_decode" in name
+        if "spec_decode" in name or ":mm_" in name
     }
 
 
 @pytest.fixture(scope="module")
 def exposed(server) -> dict[str, tuple[str, set[str]]]:
-    return scrape(server.url) | speculative_families()
+    return scrape(server.url) | optional_families()
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -395,7 +402,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 28
+    assert len(exprs) == 32
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr
