@@ -5,6 +5,7 @@ rendered prompt, where the chat template wrote one placeholder per image part.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from PIL.Image import Image
@@ -25,8 +26,12 @@ class ImagePart:
     where: str  # the request field that holds it (messages.0.content.1), for its errors
 
 
-def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
-    """Every image part of the conversation, in order of appearance."""
+def image_parts(
+    messages: list[ChatMessage], names: Mapping[str, str] | None = None
+) -> list[ImagePart]:
+    """Every image part of the conversation, in order of appearance. `names`: the field each
+    part was in the client's own request (`input.2.content.1`, where another API's request
+    runs as this chat request), by its place here (`messages.3.content.1`)."""
     parts = []
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
@@ -35,6 +40,7 @@ def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
             if part.type != IMAGE_PART:
                 continue
             where = f"messages.{i}.content.{j}"
+            where = names.get(where, where) if names else where
             if part.image_url is None:
                 raise invalid("an image_url part needs image_url.url", f"{where}.image_url")
             parts.append(ImagePart(part.image_url.url, where))

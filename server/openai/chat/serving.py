@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -66,10 +66,13 @@ class PreparedChat:
 
 
 async def prepare_chat(
-    state: ServerState, req: ChatCompletionRequest, request_id: str
+    state: ServerState,
+    req: ChatCompletionRequest,
+    request_id: str,
+    part_names: Mapping[str, str] | None = None,
 ) -> PreparedChat:
     """Render, tokenize, check and submit a chat request (a 400 for anything wrong, with
-    nothing queued)."""
+    nothing queued). `part_names`: content parts' own names in another API's request."""
     req.check()
     plan = plan_tools(req, state.tool_call_parser)
     given = constraint = req.constraint()
@@ -77,7 +80,7 @@ async def prepare_chat(
         # (In the generic format a JSON answer the request asks for is part of the grammar: an
         # error in its schema names the request's own field.)
         constraint = (plan.constraint, given[1] if given else "tools")
-    prompt_ids, multi_modal = await prompt_with_images(state, req, plan)
+    prompt_ids, multi_modal = await prompt_with_images(state, req, plan, part_names)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -105,11 +108,14 @@ async def prepare_chat(
 
 
 async def prompt_with_images(
-    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
+    state: ServerState,
+    req: ChatCompletionRequest,
+    plan: ToolPlan,
+    part_names: Mapping[str, str] | None = None,
 ) -> tuple[list[int], MultiModalInputs | None]:
     """The prompt's token ids, each image part's span expanded in them (usage counts these),
     and its images for the engine (None: a text prompt)."""
-    parts = image_parts(req.messages)
+    parts = image_parts(req.messages, part_names)
     check_reads_images(state, parts)
     prompt_ids = await render_prompt(state, req, plan)
     if not parts:

@@ -1,6 +1,7 @@
 """A Responses request as the chat request it runs as: input items become chat messages
-(function calls and their outputs become assistant tool_calls and tool messages), function
-tools and text.format their chat equivalents; anything the server cannot honour is a 400."""
+(input_image parts chat image parts; function calls and their outputs assistant tool_calls and
+tool messages), function tools and text.format their chat equivalents; anything the server
+cannot honour is a 400."""
 
 from __future__ import annotations
 
@@ -26,15 +27,46 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise invalid("content must be a string or a list of text parts", where)
-    texts = []
+    return "\n".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        raise invalid(f"content part of type {kind!r} is not supported: only text", f"{where}.type")
+    text: str = part["text"]
+    return text
+
+
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An `input_image` part as the chat image part it runs as (its URL is loaded there)."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise invalid(
+            "input_image parts need an image_url (a data: or http(s) URL); file_id is not "
+            "supported",
+            f"{where}.image_url",
+        )
+    image_url = {"url": url}
+    if part.get("detail") is not None:
+        image_url["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image_url}
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, where it holds images, its parts in order (one chat
+    part per input part, so `where.j` names the same part in both)."""
+    if not isinstance(content, list) or not any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    ):
+        return _text(content, where)
+    parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise invalid(
-                f"content part of type {kind!r} is not supported: only text", f"{where}.{j}.type"
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(_image(part, f"{where}.{j}"))
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{where}.{j}")})
+    return parts
 
 
 def _field(item: dict[str, Any], name: str, where: str) -> str:
@@ -46,12 +78,14 @@ def _field(item: dict[str, Any], name: str, where: str) -> str:
 
 def input_messages(
     items: str | list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(chat messages, the input items as stored: each with an id)."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(chat messages, the input items as stored: each with an id, and the input item each
+    message came from: `input.3`)."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     stored = []
+    origins: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message")
@@ -61,7 +95,9 @@ def input_messages(
             if role is None:
                 raise invalid(f"unknown role {item.get('role')!r}", f"{where}.role")
             content = item.get("content")
-            messages.append({"role": role, "content": _text(content, f"{where}.content")})
+            messages.append(
+                {"role": role, "content": _message_content(content, f"{where}.content")}
+            )
             if isinstance(content, str):  # listed back as OpenAI lists it: as parts
                 kind = "output_text" if role == "assistant" else "input_text"
                 content = [{"type": kind, "text": content}]
@@ -101,7 +137,22 @@ def input_messages(
             stored.append({"id": item.get("id") or item_id("rs"), **item})  # the model's own, past
         else:
             raise invalid(f"input items of type {kind!r} are not supported", f"{where}.type")
-    return messages, stored
+        origins += [where] * (len(messages) - len(origins))  # the messages this item added
+    return messages, stored, origins
+
+
+def part_names(
+    conversation: list[dict[str, Any]], origins: list[str | None], offset: int
+) -> dict[str, str]:
+    """Each content part of the chat request by the name of the input part it came from (the
+    conversation's messages stand `offset` places in, after the instructions); a message of an
+    earlier response has no origin here."""
+    names = {}
+    for k, (message, origin) in enumerate(zip(conversation, origins, strict=True)):
+        if origin is not None and isinstance(message.get("content"), list):
+            for j in range(len(message["content"])):
+                names[f"messages.{k + offset}.content.{j}"] = f"{origin}.content.{j}"
+    return names
 
 
 def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:

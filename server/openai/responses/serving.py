@@ -23,7 +23,7 @@ from server.openai.chat.output import ended_by_itself
 from server.openai.chat.serving import PreparedChat, prepare_chat
 from server.openai.inputs import check_unicode
 from server.openai.parsers import reasoning_parser_for
-from server.openai.responses.inputs import chat_request, input_messages, item_id
+from server.openai.responses.inputs import chat_request, input_messages, item_id, part_names
 from server.openai.responses.output import OutputBuilder
 from server.openai.responses.protocol import (
     ErrorEvent,
@@ -67,10 +67,12 @@ async def create_response(
                 "previous_response_id",
             )
         history = previous.messages
-    messages, stored_items = input_messages(req.input)
+    messages, stored_items, origins = input_messages(req.input)
     conversation = history + messages
     response_id = item_id("resp")
-    prepared = await _prepare(state, req, conversation, response_id)
+    prepared = await _prepare(
+        state, req, conversation, [None] * len(history) + origins, response_id
+    )
     response = _skeleton(req, model, response_id)
     outputs = state.generate(request, prepared.outputs)
     run = _Run(state, store, req, prepared, response, conversation, stored_items)
@@ -99,14 +101,20 @@ _CHAT_TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
 
 
 async def _prepare(
-    state: ServerState, req: ResponsesRequest, conversation: list[dict[str, Any]], response_id: str
+    state: ServerState,
+    req: ResponsesRequest,
+    conversation: list[dict[str, Any]],
+    origins: list[str | None],
+    response_id: str,
 ) -> PreparedChat:
     """The chat request prepared; with `truncation: auto`, the oldest turns of a conversation
     too long for the context are dropped (a tool output with the call it answers) until it
-    fits or one message is left."""
+    fits or one message is left. `origins`: the input item of each message (None: an earlier
+    response's), so that an error about a content part names it."""
     while True:
         try:
-            return await prepare_chat(state, chat_request(req, conversation), response_id)
+            names = part_names(conversation, origins, 1 if req.instructions else 0)
+            return await prepare_chat(state, chat_request(req, conversation), response_id, names)
         except APIError as exc:
             fits = exc.code != CONTEXT_LENGTH_EXCEEDED  # (prompt and output budget together)
             if req.truncation != "auto" or fits or len(conversation) == 1:
@@ -119,9 +127,9 @@ async def _prepare(
                     # A function tool's fields sit beside its type here, not under `function`.
                     exc.param = _CHAT_TOOL_FIELD.sub(r"tools.\1.", exc.param)
                 raise
-            conversation = conversation[1:]
+            conversation, origins = conversation[1:], origins[1:]
             while len(conversation) > 1 and conversation[0]["role"] == "tool":
-                conversation = conversation[1:]
+                conversation, origins = conversation[1:], origins[1:]
 
 
 def _skeleton(req: ResponsesRequest, model: str, response_id: str) -> ResponseObject:

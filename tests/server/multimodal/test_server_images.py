@@ -214,6 +214,58 @@ def _one_image_answer(client: Any, url: str) -> str:
     return chat(client, messages).choices[0].message.content
 
 
+def test_responses_input_image_answers_as_chat(openai_client: Any) -> None:
+    import openai
+
+    first, second = random_image(9), random_image(10)
+    want = chat(
+        openai_client,
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [image_part(first), text_part(" or "), image_part(second)]},
+        ],
+    )
+    got = openai_client.responses.create(
+        model=MODEL,
+        instructions="be brief",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(first), "detail": "low"},
+                    {"type": "input_text", "text": " or "},
+                    {"type": "input_image", "image_url": data_url(second), "detail": "auto"},
+                ],
+            }
+        ],
+        temperature=0,
+        max_output_tokens=MAX_TOKENS,
+        extra_body=EXTRA,
+    )
+    assert got.output_text == want.choices[0].message.content
+    assert got.usage.input_tokens == want.usage.prompt_tokens
+    # A bad image names its input part, past the instructions and an earlier item.
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.responses.create(
+            model=MODEL,
+            instructions="be brief",
+            input=[
+                {"role": "user", "content": "hello"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "see"},
+                        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"},
+                    ],
+                },
+            ],
+            max_output_tokens=MAX_TOKENS,
+        )
+    error = assert_openai_error(caught.value.response.json())
+    assert error["param"] == "input.1.content.1"
+    assert error["message"].startswith("input.1.content.1: ")
+
+
 # --------------------------------------------------------------------------- refusals
 
 
