@@ -169,3 +169,14 @@ def test_the_readme_example_runs(llava_dir: Path, tmp_path: Path) -> None:
     exec(source, scope)  # the README's own code
     (out,) = scope["out"]
     assert len(out.outputs[0].token_ids) == 32 and out.outputs[0].finish_reason == "length"
+
+
+def test_token_id_prompts_take_images_as_text_prompts_do(llm: LLM) -> None:
+    images = [sample_image(2), sample_image(3, (30, 64))]
+    ids = llm.tokenizer(TWO)["input_ids"]
+    by_text, by_ids = llm.generate(
+        [_prompt(TWO, images), {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
+        GREEDY,
+    )
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids  # expanded alike
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
