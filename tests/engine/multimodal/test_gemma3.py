@@ -162,3 +162,21 @@ def test_a_repeated_prompt_reads_its_images_blocks_from_the_prefix_cache(
     assert again.num_cached_tokens > first.num_cached_tokens
     want = hf_vlm_greedy(gemma3_dir, ONE, images, MAX_TOKENS)
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+
+
+def test_the_cpu_backend_with_a_budget_of_one_span(gemma3_dir: Path) -> None:
+    """The both-ways rows over the C++ CPU backend's attention, each image's span filling a
+    whole step of 8 tokens."""
+    cases = [(TWO, [sample_image(40), sample_image(41, (64, 30))]), (ONE, [sample_image(42)])]
+    with LLM(
+        str(gemma3_dir),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=8,
+        block_size=16,
+        attention_backend="cpu",
+    ) as cpu:
+        assert cpu.engine.executor.runner.backend.name == "cpu"
+        outs = cpu.generate([_prompt(t, imgs) for t, imgs in cases], GREEDY)
+    for (text, images), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == hf_vlm_greedy(gemma3_dir, text, images, MAX_TOKENS)
