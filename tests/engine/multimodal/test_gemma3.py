@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
 from tests.support.gemma3_models import build_gemma3
 from tests.support.vision_models import hf_vlm_greedy, sample_image
 
@@ -180,3 +181,44 @@ def test_the_cpu_backend_with_a_budget_of_one_span(gemma3_dir: Path) -> None:
         outs = cpu.generate([_prompt(t, imgs) for t, imgs in cases], GREEDY)
     for (text, images), out in zip(cases, outs):
         assert out.outputs[0].token_ids == hf_vlm_greedy(gemma3_dir, text, images, MAX_TOKENS)
+
+
+def test_an_image_span_larger_than_a_step_is_refused(gemma3_dir: Path) -> None:
+    """A span is computed in one step: one longer than the step's budget never could be."""
+    with LLM(str(gemma3_dir), dtype="float32", max_model_len=64, max_num_batched_tokens=7) as lm:
+        with pytest.raises(InvalidRequestError, match="takes 8 prompt tokens, computed in one"):
+            lm.generate(_prompt(ONE, [sample_image(1)]), GREEDY)
+        assert not lm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "ours"),
+    [
+        # Gemma 3's published layout, then transformers 5's.
+        (
+            "vision_tower.vision_model.encoder.layers.1.mlp.fc1.weight",
+            "vision_tower.encoder.layers.1.mlp.fc1.weight",
+        ),
+        (
+            "model.vision_tower.vision_model.post_layernorm.bias",
+            "vision_tower.post_layernorm.bias",
+        ),
+        (
+            "multi_modal_projector.mm_input_projection_weight",
+            "multi_modal_projector.mm_input_projection_weight",
+        ),
+        (
+            "language_model.model.layers.1.self_attn.k_norm.weight",
+            "layers.1.self_attn.k_norm.weight",
+        ),
+        (
+            "model.language_model.layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.qkv_proj.weight",
+        ),
+    ],
+)
+def test_checkpoint_names_of_both_layouts_load(llm: LLM, checkpoint: str, ours: str) -> None:
+    model = llm.engine.executor.runner.model
+    located = model._locate(checkpoint)
+    assert located is not None and located[0] == ours
+    assert ours in dict(model.named_parameters())
