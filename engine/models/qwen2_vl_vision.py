@@ -38,21 +38,18 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
+# The blocks' activations: Qwen2-VL's QuickGELU, Qwen2.5-VL's SiLU.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": _quick_gelu,
     "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": _gelu_tanh,
 }
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
-        raise ModelLoadError(f"unsupported vision activation {name!r}")
+        raise ModelLoadError(
+            f"unsupported vision activation {name!r}; supported: {', '.join(_ACTIVATIONS)}"
+        )
     return _ACTIVATIONS[name]
 
 
