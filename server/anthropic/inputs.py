@@ -1,14 +1,15 @@
 """An Anthropic Messages request as the chat request it runs as: the system prompt and the
 content blocks become chat messages (tool_use blocks an assistant's tool_calls, tool_result
-blocks tool messages), the tools and tool_choice their chat forms. What cannot be served (images,
-documents, server tools, extended thinking) is a 400 naming the field."""
+blocks tool messages, image blocks image parts), the tools and tool_choice their chat forms. What
+cannot be served (documents, server tools, extended thinking; images for a model that reads
+none) is a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest, Tool
 from server.errors import invalid
@@ -18,6 +19,21 @@ from server.openai.protocol import Text, _Request
 
 class TextIn(_Request):
     text: Text
+
+
+class Base64Source(_Request):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]  # Anthropic's
+    data: str
+
+
+class URLSource(_Request):
+    type: Literal["url"]
+    url: str
+
+
+class ImageIn(_Request):
+    source: Base64Source | URLSource = Field(discriminator="type")
 
 
 class ToolUseIn(_Request):
@@ -68,14 +84,30 @@ def _texts(blocks: list[dict[str, Any]], where: str) -> str:
     return "\n".join(parts)
 
 
-def _user(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as the chat image part it runs as: inline data becomes a data: URL, so
+    that both sources load (and are limited) alike."""
+    source = _parse(ImageIn, block, where).source
+    if isinstance(source, Base64Source):
+        url = f"data:{source.media_type};base64,{source.data}"
+    else:
+        url = source.url
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user(content: list[dict[str, Any]], where: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Tool results first, as tool messages (Anthropic puts them first in the turn), then the
-    text as one user message."""
-    results, texts = [], []
+    text as one user message: its text joined, or, with images, its text and image parts in
+    order. Also the block each of those parts came from."""
+    results, parts, blocks = [], [], []
     for j, block in enumerate(content):
         kind, at = block.get("type"), f"{where}.{j}"
         if kind == "text":
-            texts.append(_text(block, at))
+            parts.append({"type": "text", "text": _text(block, at)})
+            blocks.append(at)
+        elif kind == "image":
+            parts.append(_image(block, at))
+            blocks.append(at)
         elif kind == "tool_result":
             result = _parse(ToolResultIn, block, at)
             text = (
@@ -88,7 +120,11 @@ def _user(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": result.tool_use_id, "content": text})
         else:
             raise _unsupported(kind, at)
-    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+    if not parts:
+        return results, []
+    if all(part["type"] == "text" for part in parts):
+        return results + [{"role": "user", "content": "\n".join(p["text"] for p in parts)}], []
+    return results + [{"role": "user", "content": parts}], blocks
 
 
 def _assistant(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
@@ -115,8 +151,11 @@ def _assistant(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]
     return [message]
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The chat messages, and the block each of their image-bearing parts came from, by the
+    part's place in the chat request (`messages.2.content.1` -> `messages.1.content.3`)."""
     messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     if req.system:
         system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
         messages.append({"role": "system", "content": system})
@@ -135,10 +174,13 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "user":
-            messages += _user(message.content, f"messages.{i}.content")
+            turn, blocks = _user(message.content, f"messages.{i}.content")
+            at = len(messages) + len(turn) - 1  # the user message, after any tool results
+            names |= {f"messages.{at}.content.{j}": block for j, block in enumerate(blocks)}
+            messages += turn
         else:
             messages += _assistant(message.content, f"messages.{i}.content")
-    return messages
+    return messages, names
 
 
 def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
@@ -190,12 +232,14 @@ ANTHROPIC_NAMES = {
 }
 
 
-def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request `req` runs as (a count_tokens request: the prompt part alone)."""
+def chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat request `req` runs as (a count_tokens request: the prompt part alone), and the
+    names of its content parts in `req` (`chat_messages`)."""
     _refuse_unsupported(req)
+    messages, names = chat_messages(req)
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": messages,
         "tools": _tools(req),
         **_tool_choice(req),
     }
@@ -216,7 +260,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
                 "json_schema": {"name": "output", "schema": output_format.schema_},
             }
     try:
-        return ChatCompletionRequest.model_validate(
+        chat = ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None}
         )
     except ValidationError as exc:
@@ -224,3 +268,4 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         loc = [str(p) for p in first["loc"]]
         where = ".".join([ANTHROPIC_NAMES.get(loc[0], loc[0]), *loc[1:]]) if loc else None
         raise invalid(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+    return chat, names

@@ -32,7 +32,7 @@ from server.anthropic.protocol import (
 from server.errors import as_api_error
 from server.http.streaming import last_output, until_disconnected
 from server.openai.chat.output import ChoiceShaper, ended_by_itself
-from server.openai.chat.serving import prepare_chat, render_prompt
+from server.openai.chat.serving import prepare_chat, prompt_with_images
 from server.openai.chat.tool_choice import plan_tools
 from server.openai.inputs import check_unicode
 from server.state import ServerState
@@ -51,10 +51,11 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> TokenCoun
     """The prompt's tokens as `create_message` would render them (tools included)."""
     state.resolve_model(req.model)
     check_unicode(req)
-    chat = chat_request(req)
+    chat, names = chat_request(req)
     chat.check()
     plan = plan_tools(chat, state.tool_call_parser)  # the same refusals and prompt as a message's
-    return TokenCount(input_tokens=len(await render_prompt(state, chat, plan)))
+    prompt_ids, _ = await prompt_with_images(state, chat, plan, names)  # images' spans count
+    return TokenCount(input_tokens=len(prompt_ids))
 
 
 async def create_message(
@@ -63,7 +64,8 @@ async def create_message(
     model = state.resolve_model(req.model)
     check_unicode(req)
     message_id = f"msg_{uuid.uuid4().hex}"
-    prepared = await prepare_chat(state, chat_request(req), message_id)
+    chat, names = chat_request(req)
+    prepared = await prepare_chat(state, chat, message_id, names)
     outputs = state.generate(request, prepared.outputs)
     prompt_tokens = len(prepared.prompt_ids)
     if req.stream:

@@ -315,7 +315,7 @@ def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
                     }
                 ]
             },
-            "messages.0.content.0.type",
+            f"messages.0.content.0: the model {MODEL} reads no images",
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),

@@ -266,6 +266,54 @@ def test_responses_input_image_answers_as_chat(openai_client: Any) -> None:
     assert error["message"].startswith("input.1.content.1: ")
 
 
+def test_anthropic_image_blocks_answer_as_chat(server: RunningServer, openai_client: Any) -> None:
+    import anthropic
+
+    first, second = random_image(11), random_image(12)
+    want = chat(
+        openai_client,
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [text_part("a "), image_part(first)]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [image_part(second), text_part(" b")]},
+        ],
+    )
+
+    def base64_block(image: Image.Image) -> dict[str, Any]:
+        data = base64.b64encode(png(image)).decode()
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": data},
+        }
+
+    messages: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": "a "}, base64_block(first)]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [base64_block(second), {"type": "text", "text": " b"}]},
+    ]
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as claude:
+        got = claude.messages.create(
+            model=MODEL,
+            system="be brief",
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            extra_body={"temperature": 0, **EXTRA},
+        )
+        assert got.content[0].text == want.choices[0].message.content  # type: ignore[union-attr]
+        assert got.usage.input_tokens == want.usage.prompt_tokens
+        counted = claude.messages.count_tokens(model=MODEL, system="be brief", messages=messages)
+        assert counted.input_tokens == want.usage.prompt_tokens
+        # A bad image names its block in Anthropic's own numbering (the system prompt is no
+        # message there).
+        messages[2]["content"][0]["source"]["data"] = base64.b64encode(b"not a png").decode()
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            claude.messages.create(
+                model=MODEL, system="be brief", messages=messages, max_tokens=MAX_TOKENS
+            )
+        assert caught.value.body["error"]["message"].startswith("messages.2.content.0: ")  # type: ignore[index]
+
+
 # --------------------------------------------------------------------------- refusals
 
 
