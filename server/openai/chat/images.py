@@ -54,10 +54,20 @@ def check_reads_images(state: ServerState, parts: list[ImagePart]) -> None:
 
 
 async def load_images(state: ServerState, parts: list[ImagePart]) -> list[Image]:
-    """The images, fetched and decoded concurrently; the first failure (in order) is the 400."""
+    """The images, fetched and decoded concurrently. Every load ends before this returns or
+    raises (none is left running behind a 400), and the error is the first part's in order,
+    whichever failed first."""
     policy = state.config.media_policy()
     check_image_count(len(parts), policy, "messages")
-    return list(await asyncio.gather(*(load_image(p.url, policy, p.where) for p in parts)))
+    loaded = await asyncio.gather(
+        *(load_image(p.url, policy, p.where) for p in parts), return_exceptions=True
+    )
+    images = []
+    for image in loaded:
+        if isinstance(image, BaseException):
+            raise image
+        images.append(image)
+    return images
 
 
 async def expand_images(

@@ -377,6 +377,23 @@ def test_bad_image_data_is_a_400_naming_the_part(openai_client: Any, url: str, r
     assert reason in error["message"]
 
 
+def test_of_two_bad_images_the_first_in_order_is_named(openai_client: Any) -> None:
+    with image_server() as images:
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    # A fetch answers later than bad base64 fails; still, the fetch is named.
+                    {"type": "image_url", "image_url": {"url": images.url("/text")}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,@"}},
+                ],
+            }
+        ]
+        error = refusal(openai_client, messages)
+        assert error["param"] == "messages.0.content.0"
+        assert images.seen.requests == [("/text", f"127.0.0.1:{images.port}")]
+
+
 def test_a_host_outside_the_allowed_domains_is_refused(openai_client: Any) -> None:
     with image_server() as images:
         url = images.url("/png", host="localhost")
