@@ -1,11 +1,12 @@
-"""Idefics3 (and SmolVLM, which is the same architecture): an image is cut into tiles plus one
+"""Idefics3 and SmolVLM (the same architecture under two names): an image is cut into tiles plus one
 downscaled global view; each tile goes through the vision transformer and the connector (pixel
 shuffle, one linear) to `image_seq_len` rows, and any text model of ours reads them.
 
 The prompt's one `<image>` becomes, as Idefics3Processor expands it, per tile
 `<fake_token_around_image><row_i_col_j>` and `<image>` x image_seq_len (a newline after each
 row of tiles), then `<fake_token_around_image><global-img>`, the global view's `<image>`s and a
-closing `<fake_token_around_image>`: only the `<image>` positions take encoder rows."""
+closing `<fake_token_around_image>`: only the `<image>` positions take encoder rows.
+SmolVLMProcessor lays spans out alike, with the marker tokens its tokenizer names."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 _TEXT_PREFIX = "model.text_model."  # where Idefics3 checkpoints keep the text model
+# What opens and closes each tile, and what tags the global view (Idefics3Processor's).
+_MARKER, _GLOBAL = "<fake_token_around_image>", "<global-img>"
 
 
 class Idefics3Vision(VisionLanguageModel):
@@ -48,13 +51,31 @@ class Idefics3Vision(VisionLanguageModel):
         return Idefics3Processing(cfg, path, tokenizer)
 
 
+class SmolVLMVision(Idefics3Vision):
+    @classmethod
+    def processing(cls, cfg: PretrainedConfig, path: Path, tokenizer: Any) -> ImageProcessing:
+        # SmolVLMProcessor takes the markers from the tokenizer (these are its defaults).
+        markers = (
+            getattr(tokenizer, "fake_image_token", None) or _MARKER,
+            getattr(tokenizer, "global_image_token", None) or _GLOBAL,
+        )
+        return Idefics3Processing(cfg, path, tokenizer, markers)
+
+
 class Idefics3Processing:
-    def __init__(self, cfg: PretrainedConfig, path: Path, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        cfg: PretrainedConfig,
+        path: Path,
+        tokenizer: Any,
+        markers: tuple[str, str] = (_MARKER, _GLOBAL),
+    ) -> None:
         from transformers import AutoImageProcessor
 
         # The PIL backend: the torchvision one needs a package this server does not install.
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         self.tokenizer = tokenizer
+        self.marker, self.global_tag = markers
         self.placeholder_id = self.embed_id = int(cfg.image_token_id)
         self.placeholder_text = str(tokenizer.convert_ids_to_tokens(self.placeholder_id))
         vision = cfg.vision_config
@@ -84,14 +105,11 @@ class Idefics3Processing:
 
     def _span_text(self, rows: int, cols: int) -> str:
         images = self.placeholder_text * self.image_seq_len
-        whole = f"<fake_token_around_image><global-img>{images}<fake_token_around_image>"
+        whole = f"{self.marker}{self.global_tag}{images}{self.marker}"
         if rows == 0 and cols == 0:  # not split: the global view alone
             return whole
         grid = "".join(
-            "".join(
-                f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{images}" for c in range(cols)
-            )
-            + "\n"
+            "".join(f"{self.marker}<row_{r + 1}_col_{c + 1}>{images}" for c in range(cols)) + "\n"
             for r in range(rows)
         )
         return f"{grid}\n{whole}"
@@ -101,3 +119,4 @@ class Idefics3Processing:
 
 
 Idefics3ForConditionalGeneration = VisionLanguageFamily(Idefics3Vision)
+SmolVLMForConditionalGeneration = VisionLanguageFamily(SmolVLMVision)

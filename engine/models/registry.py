@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
         "Idefics3ForConditionalGeneration",
         "idefics3",
     ),
+    "SmolVLMForConditionalGeneration": ("idefics3", "SmolVLMForConditionalGeneration", "smolvlm"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2_vl"),
     "Qwen2_5_VLForConditionalGeneration": (
         "qwen2_vl",

@@ -1,15 +1,23 @@
-"""Tiny random-weight Idefics3 (SmolVLM's architecture) models, saved as Hugging Face folders
-with the Llama-3.2 tokenizer plus Idefics3's special tokens and the real Idefics3Processor
-(PIL image processor), so that transformers' own processor and model are the oracle.
+"""Tiny random-weight Idefics3 and SmolVLM models, saved as Hugging Face folders with the
+Llama-3.2 tokenizer plus Idefics3's special tokens and the real processor files (PIL image
+processor), so that transformers' own processor and model are the oracle.
+
+SmolVLMProcessor needs a video processor (torchvision) and num2words, neither installed here:
+a SmolVLM folder holds its image processor alone, and `hf_greedy_on_ids` runs transformers'
+model on token ids laid out elsewhere (its span layout is Idefics3Processor's).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tests.support.models import tokenizer_dir
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # Each image part becomes the one `<image>` the processor expands; turns end with
 # `<end_of_utterance>` as SmolVLM's published template ends them.
@@ -40,23 +48,33 @@ def build_idefics3(
     longest_edge: int = 64,
     splitting: bool = True,
     scale_factor: int = 2,
+    kind: str = "idefics3",
 ) -> Path:
     """A tiny Idefics3: a two-layer SigLIP-shaped tower over `tile_px`-pixel tiles of 8-pixel
     patches (16 patches, 4 image tokens per tile after a 2x pixel shuffle), the connector's
     one linear, and a two-layer Llama text model. Images are resized to a `longest_edge` of 64
-    pixels, so that with `splitting` they become 2x2 (or 1x2, 2x1) tiles plus the global one."""
+    pixels, so that with `splitting` they become 2x2 (or 1x2, 2x1) tiles plus the global one.
+    `kind`: "idefics3" or "smolvlm" (SmolVLM2's classes)."""
     from transformers import (
         AutoTokenizer,
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
     )
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm import SmolVLMImageProcessorPil
+
+    config_class, model_class, image_processor_class = {
+        "idefics3": (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil),
+        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil),
+    }[kind]
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama"))
     tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     patch = 8
-    cfg = Idefics3Config(
+    cfg = config_class(
         vision_config={
             "hidden_size": 32,
             "intermediate_size": 64,
@@ -84,24 +102,50 @@ def build_idefics3(
     )
     cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(cfg)
+    model = model_class(cfg)
     with torch.no_grad():  # norms and biases start at 1 and 0: randomize them so loading shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
-    image_seq_len = (tile_px // patch) ** 2 // scale_factor**2
-    processor = Idefics3Processor(
-        image_processor=Idefics3ImageProcessorPil(
-            size={"longest_edge": longest_edge},
-            max_image_size={"longest_edge": tile_px},
-            do_image_splitting=splitting,
-        ),
-        tokenizer=tok,
-        image_seq_len=image_seq_len,
-        chat_template=_TEMPLATE,
+    image_processor = image_processor_class(
+        size={"longest_edge": longest_edge},
+        max_image_size={"longest_edge": tile_px},
+        do_image_splitting=splitting,
     )
-    processor.save_pretrained(folder)
+    if kind == "idefics3":
+        image_seq_len = (tile_px // patch) ** 2 // scale_factor**2
+        Idefics3Processor(
+            image_processor=image_processor,
+            tokenizer=tok,
+            image_seq_len=image_seq_len,
+            chat_template=_TEMPLATE,
+        ).save_pretrained(folder)
+    else:
+        image_processor.save_pretrained(folder)
     tok.chat_template = _TEMPLATE
     tok.save_pretrained(folder)
     return folder
+
+
+def hf_greedy_on_ids(
+    folder: Path, input_ids: list[int], images: list[Image.Image], max_new_tokens: int
+) -> list[int]:
+    """transformers' greedy tokens (float32) for a prompt already expanded into `input_ids`,
+    with the pixels of the image processor saved in `folder`."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    pixels = AutoImageProcessor.from_pretrained(folder, backend="pil")(
+        images=[images], return_tensors="pt"
+    )
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([input_ids]),
+            attention_mask=torch.ones(1, len(input_ids), dtype=torch.int64),
+            pixel_values=pixels["pixel_values"],
+            pixel_attention_mask=pixels["pixel_attention_mask"],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(input_ids) :].tolist()

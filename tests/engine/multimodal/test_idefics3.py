@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.support.idefics3_models import build_idefics3
+from tests.support.idefics3_models import build_idefics3, hf_greedy_on_ids
 from tests.support.vision_models import hf_vlm_greedy, sample_image
 
 TURN = "<|user|>:{}<end_of_utterance>\n<|assistant|>:"
@@ -131,3 +131,29 @@ def test_unsplit_images_with_a_wider_pixel_shuffle(unsplit_dir: Path) -> None:
     with LLM(str(unsplit_dir), dtype="float32", max_model_len=64, attention_backend="torch") as llm:
         (out,) = llm.generate(_prompt(TWO, images), GREEDY)
     assert out.outputs[0].token_ids == hf_vlm_greedy(unsplit_dir, TWO, images, MAX_TOKENS)
+
+
+def test_smolvlm_lays_out_spans_as_idefics3_and_answers_as_transformers(
+    tmp_path: Path, idefics3_dir: Path
+) -> None:
+    """SmolVLMForConditionalGeneration (SmolVLM2's class): the same spans as Idefics3Processor
+    makes for the same tokenizer and tile shape, and transformers' SmolVLM tokens on them."""
+    from transformers import AutoProcessor
+
+    folder = build_idefics3(tmp_path, seed=2, kind="smolvlm")
+    images = [sample_image(10), sample_image(12, (64, 30))]
+    with LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=7,
+        attention_backend="torch",
+    ) as llm:
+        (out,) = llm.generate(_prompt(TWO, images), GREEDY)
+    want = AutoProcessor.from_pretrained(idefics3_dir, backend="pil")(
+        images=images, text=[TWO], return_tensors="pt"
+    )
+    assert out.prompt_token_ids == want["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == hf_greedy_on_ids(
+        folder, out.prompt_token_ids, images, MAX_TOKENS
+    )
