@@ -11,7 +11,8 @@ import uuid
 from fastapi import Response
 
 from engine import SamplingParams
-from server.errors import APIError
+from server.errors import APIError, invalid
+from server.openai.chat.images import image_parts
 from server.openai.chat.protocol import ChatCompletionRequest
 from server.openai.chat.serving import prepare_chat
 from server.openai.completions.protocol import CompletionRequest
@@ -42,6 +43,12 @@ def _rendered(
 async def render_chat_request(state: ServerState, req: ChatCompletionRequest) -> RenderedRequest:
     model = state.resolve_model(req.model)
     check_unicode(req)
+    images = image_parts(req.messages)
+    if images:  # token ids alone would be run with placeholders where the images were
+        raise invalid(
+            "the render routes hand back token ids only, which cannot carry images",
+            images[0].where,
+        )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = await prepare_chat(state, req, request_id)
     await prepared.outputs.aclose()

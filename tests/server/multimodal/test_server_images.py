@@ -6,12 +6,15 @@ per-prompt limit)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -192,6 +195,60 @@ def test_images_in_two_turns(openai_client: Any, oracle: Any) -> None:
         {"role": "user", "content": [image_part(second), text_part(" and now?")]},
     ]
     assert_equals_transformers(openai_client, oracle, messages, [first, second])
+
+
+def test_a_stream_with_an_image_says_what_the_whole_answer_says(openai_client: Any) -> None:
+    messages = [{"role": "user", "content": [text_part("what is "), image_part(random_image(13))]}]
+    whole = chat(openai_client, messages)
+    chunks = list(
+        openai_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXTRA,
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_the_image_processor_runs_off_the_event_loop(
+    llava_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran_on = []
+    expand = llava_engine.engine.expand_images
+
+    def recording(prompt: Any, images: Any) -> Any:
+        ran_on.append(threading.get_ident())
+        return expand(prompt, images)
+
+    monkeypatch.setattr(llava_engine.engine, "expand_images", recording)
+
+    async def main() -> tuple[int, list[int], Any]:
+        ids, mm = await llava_engine.expand_images("see <image> now", [random_image(14)])
+        return threading.get_ident(), ids, mm
+
+    loop_thread, ids, mm = asyncio.run(main())
+    assert ran_on and ran_on[0] != loop_thread
+    (item,) = mm.items
+    text_ids = llava_engine.info.tokenizer("see <image> now")["input_ids"]
+    assert len(ids) == len(text_ids) - 1 + item.length  # the placeholder became the span
+    assert ids[: item.offset] == text_ids[: item.offset]
+
+
+def test_the_render_route_refuses_images(server: RunningServer) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [text_part("a"), image_part(random_image(15))]}],
+    }
+    response = httpx.post(f"{server.url}/v1/chat/completions/render", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = assert_openai_error(response.json())
+    assert error["param"] == "messages.0.content.1"
+    assert "cannot carry images" in error["message"]
 
 
 def test_a_fetched_image_equals_the_same_bytes_inline(openai_client: Any) -> None:
