@@ -49,12 +49,14 @@ def build_idefics3(
     splitting: bool = True,
     scale_factor: int = 2,
     kind: str = "idefics3",
+    tie: tuple[bool, bool] = (False, False),
 ) -> Path:
     """A tiny Idefics3: a two-layer SigLIP-shaped tower over `tile_px`-pixel tiles of 8-pixel
     patches (16 patches, 4 image tokens per tile after a 2x pixel shuffle), the connector's
     one linear, and a two-layer Llama text model. Images are resized to a `longest_edge` of 64
     pixels, so that with `splitting` they become 2x2 (or 1x2, 2x1) tiles plus the global one.
-    `kind`: "idefics3" or "smolvlm" (SmolVLM2's classes)."""
+    `kind`: "idefics3" or "smolvlm" (SmolVLM2's classes); `tie`: the config's
+    `tie_word_embeddings`, then its text config's."""
     from transformers import (
         AutoTokenizer,
         Idefics3Config,
@@ -92,13 +94,13 @@ def build_idefics3(
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "max_position_embeddings": 1024,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": tie[1],
             "eos_token_id": tok.eos_token_id,
             "pad_token_id": tok.eos_token_id,
         },
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=scale_factor,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie[0],
     )
     cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)

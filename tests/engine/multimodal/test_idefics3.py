@@ -157,3 +157,16 @@ def test_smolvlm_lays_out_spans_as_idefics3_and_answers_as_transformers(
     assert out.outputs[0].token_ids == hf_greedy_on_ids(
         folder, out.prompt_token_ids, images, MAX_TOKENS
     )
+
+
+@pytest.mark.parametrize("tie", [(True, False), (False, True)])
+def test_the_head_is_tied_as_the_top_level_config_says(
+    tmp_path: Path, tie: tuple[bool, bool]
+) -> None:
+    """transformers ties by the top-level flag: tied, the checkpoint holds no lm_head; untied,
+    its own lm_head, whatever the text config says."""
+    folder = build_idefics3(tmp_path, seed=3, splitting=False, scale_factor=4, tie=tie)
+    images = [sample_image(13)]
+    with LLM(str(folder), dtype="float32", max_model_len=64, attention_backend="torch") as llm:
+        (out,) = llm.generate(_prompt(ONE, images), GREEDY)
+    assert out.outputs[0].token_ids == hf_vlm_greedy(folder, ONE, images, MAX_TOKENS)
