@@ -32,6 +32,7 @@ from server.http.streaming import ClientDisconnected, client_gone
 from server.lora.routes import lora_router
 from server.metrics.collector import EngineMetrics
 from server.metrics.names import MetricNames
+from server.openai.chat.images import check_reads_images, expand_images, image_parts, load_images
 from server.openai.chat.protocol import ChatCompletion, ChatCompletionRequest
 from server.openai.chat.serving import create_chat_completion
 from server.openai.completions.protocol import Completion, CompletionRequest
@@ -285,9 +286,14 @@ def create_app(
         state.resolve_model(req.model)
         req.check()
         if req.messages is not None:
+            images = image_parts(req.messages)
+            check_reads_images(state, images)
+            messages = chat_messages(req.messages, state.engine.info.accepts_images)
             ids = await state.off_loop(
-                render_chat, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt
+                render_chat, state.tokenizer, messages, req.add_generation_prompt
             )
+            if images:  # counted as the model reads them: each image's whole span
+                ids, _ = await expand_images(state, ids, await load_images(state, images))
         else:
             ids = await state.off_loop(
                 encode, state.tokenizer, req.prompt or "", req.add_special_tokens

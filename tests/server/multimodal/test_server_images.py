@@ -239,6 +239,14 @@ def test_the_image_processor_runs_off_the_event_loop(
     assert ids[: item.offset] == text_ids[: item.offset]
 
 
+def test_tokenize_counts_the_images_spans(server: RunningServer, openai_client: Any) -> None:
+    messages = [{"role": "user", "content": [text_part("what is "), image_part(random_image(16))]}]
+    body = {"model": MODEL, "messages": messages}
+    response = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["count"] == chat(openai_client, messages).usage.prompt_tokens
+
+
 def test_the_render_route_refuses_images(server: RunningServer) -> None:
     body = {
         "model": MODEL,
