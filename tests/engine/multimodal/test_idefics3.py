@@ -1,6 +1,7 @@
-"""Idefics3 (SmolVLM's architecture) end to end on the engine: a prompt's `<image>` expanded
-into tiles as Idefics3Processor expands it, and greedy tokens equal to transformers' with one
-image, several, and images across turns, under chunked prefill and a small KV pool."""
+"""Idefics3 and SmolVLM end to end on the engine: a prompt's `<image>` expanded into tiles as
+Idefics3Processor expands it, and greedy tokens equal to transformers' with one image, several,
+and images across turns, under chunked prefill and a small KV pool; tiling off, a wider pixel
+shuffle, and the head tied as transformers ties it."""
 
 from __future__ import annotations
 
