@@ -98,11 +98,15 @@ def _image_rows(
     visible = (key_positions <= rows) | (key_positions >= position)
     if window is not None:
         visible &= key_positions > rows - window
-    query = q.transpose(0, 1)
+    # [1, heads, n, dim]: SDPA's CPU kernels run the 4-D layout faster than the 3-D one.
+    query, keys, values = (t.unsqueeze(0) for t in (q.transpose(0, 1), keys, values))
     if softcap is None:
+        # An additive mask: SDPA's CPU kernel runs it several times faster than a boolean one.
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~visible, float("-inf"))
         attn = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+            query, keys, values, attn_mask=bias, scale=scale, enable_gqa=True
         )
     else:
         attn = attention_with_softcap(query, keys, values, visible, scale, softcap)
-    return attn.transpose(0, 1)
+    return attn[0].transpose(0, 1)
