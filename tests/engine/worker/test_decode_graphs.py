@@ -60,7 +60,7 @@ def test_padded_decode_steps_give_the_same_tokens(
     # The chosen tokens' logprobs too: greedy tokens of a small random model barely depend on
     # attention, its logprobs do (decode rows at position 0 would still pick the same tokens).
     params = [
-        SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=0)
+        SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True, logprobs=0)
         for i in range(5)
     ]
     settings = {
