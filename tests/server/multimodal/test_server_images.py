@@ -1,8 +1,8 @@
 """Images in chat, Responses and Messages requests, over real HTTP with the official clients, on a
 tiny random LLaVA: greedy answers equal transformers' on the same rendered text and images (one
-image, two in a message, images across turns), the three APIs agree, usage counts the expanded
-prompt, an image fetched from a local server, and the 400s (a text-only model, bad bytes, the
-per-prompt limit)."""
+image, two in a message, images across turns), streamed as whole, the three APIs agree, usage
+and /tokenize count the expanded prompt, an image fetched from a local server, and the 400s (a
+text-only model, bad bytes, a refused host, the per-prompt limit, the render routes)."""
 
 from __future__ import annotations
 
@@ -376,7 +376,8 @@ def test_anthropic_image_blocks_answer_as_chat(server: RunningServer, openai_cli
             claude.messages.create(
                 model=MODEL, system="be brief", messages=messages, max_tokens=MAX_TOKENS
             )
-        assert caught.value.body["error"]["message"].startswith("messages.2.content.0: ")  # type: ignore[index]
+        body: Any = caught.value.body
+        assert body["error"]["message"].startswith("messages.2.content.0: ")
 
 
 # --------------------------------------------------------------------------- refusals
