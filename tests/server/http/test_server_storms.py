@@ -101,7 +101,7 @@ class HealthProbe:
 
 STORM_PROMPTS = prompts(500, "Line")
 SMALL_POOL_PROMPTS = prompts(24, "Entry")
-SMALL_POOL_PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+SMALL_POOL_PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 @dataclass
@@ -233,7 +233,7 @@ def test_a_client_that_leaves_a_whole_answer_is_logged_as_no_error(
 def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
     default_model_dir: Path, offline: Offline
 ) -> None:
-    """24 blocks of 16 tokens for 24 concurrent requests that each need up to 5 blocks."""
+    """24 blocks of 16 tokens for 24 concurrent requests of up to 45 tokens: 3 blocks each."""
     texts, expected = SMALL_POOL_PROMPTS, offline.small_pool
     engine = start_engine(
         model=str(default_model_dir),
