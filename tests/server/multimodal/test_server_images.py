@@ -82,8 +82,13 @@ def serve(engine: AsyncEngine, **settings: Any) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def server(llava_engine: AsyncEngine) -> Iterator[RunningServer]:
-    yield from serve(llava_engine, allowed_media_domains=["127.0.0.1"])
+def server(
+    llava_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
+    yield from serve(
+        llava_engine, allowed_media_domains=["127.0.0.1"], responses_store=f"sqlite://{store}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +336,37 @@ def test_responses_input_image_answers_as_chat(openai_client: Any) -> None:
     assert error["message"].startswith("input.1.content.1: ")
 
 
+def test_a_responses_continuation_reads_the_earlier_turns_image(openai_client: Any) -> None:
+    image = random_image(17)
+    first = openai_client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)}]}
+        ],
+        temperature=0,
+        max_output_tokens=MAX_TOKENS,
+        extra_body=EXTRA,
+    )
+    second = openai_client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input="and again?",
+        temperature=0,
+        max_output_tokens=MAX_TOKENS,
+        extra_body=EXTRA,
+    )
+    want = chat(
+        openai_client,
+        [
+            {"role": "user", "content": [image_part(image)]},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and again?"},
+        ],
+    )
+    assert second.output_text == want.choices[0].message.content
+    assert second.usage.input_tokens == want.usage.prompt_tokens
+
+
 def test_anthropic_image_blocks_answer_as_chat(server: RunningServer, openai_client: Any) -> None:
     import anthropic
 
@@ -473,7 +509,7 @@ def test_a_host_outside_the_allowed_domains_is_refused(openai_client: Any) -> No
 def test_limit_mm_per_prompt_counts_the_whole_conversation(llava_engine: AsyncEngine) -> None:
     import openai
 
-    for running in serve(llava_engine, limit_mm_per_prompt='{"image": 1}'):
+    for running in serve(llava_engine, limit_mm_per_prompt='{"image": 1}', responses_store="none"):
         with openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0) as c:
             one = [{"role": "user", "content": [image_part(random_image(8))]}]
             assert chat(c, one).usage.completion_tokens == MAX_TOKENS
