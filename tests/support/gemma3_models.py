@@ -29,11 +29,17 @@ _TEMPLATE = (
 
 
 def build_gemma3(
-    folder: Path, seed: int = 0, image_px: int = 28, tokens_per_image: int = 4
+    folder: Path,
+    seed: int = 0,
+    image_px: int = 28,
+    tokens_per_image: int = 4,
+    vision: dict | None = None,
+    text: dict | None = None,
 ) -> Path:
     """A tiny Gemma 3: a two-layer SigLIP tower over 28x28 images in 7-pixel patches (4x4),
     average-pooled to `tokens_per_image` (2x2) soft tokens; a Gemma 3 text model with a
-    sliding (window 6) and a global layer; Gemma3Processor's files."""
+    sliding (window 6) and a global layer; Gemma3Processor's files. `vision`, `text`: config
+    values that replace the tiny ones."""
     from transformers import (
         AutoTokenizer,
         Gemma3Config,
@@ -49,27 +55,33 @@ def build_gemma3(
         extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
     )
     vision_config = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=image_px,
-        patch_size=7,
-        vision_use_head=False,
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": image_px,
+            "patch_size": 7,
+            "vision_use_head": False,
+            **(vision or {}),
+        }
     )
     text_config = Gemma3TextConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        max_position_embeddings=1024,
-        sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"],
-        eos_token_id=tok.eos_token_id,
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "max_position_embeddings": 1024,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "eos_token_id": tok.eos_token_id,
+            **(text or {}),
+        }
     )
     cfg = Gemma3Config(
         text_config=text_config,
