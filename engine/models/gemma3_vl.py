@@ -68,8 +68,7 @@ class Gemma3Vision(VisionLanguageModel):
     def encode_image(self, item: ImageItem) -> torch.Tensor:
         weight = self.vision_tower.post_layernorm.weight
         pixels = item.data["pixel_values"].to(weight.device)
-        features = self.multi_modal_projector(self.vision_tower(pixels))
-        return features.flatten(0, 1).to(self.embed_tokens.weight.dtype)
+        return self.multi_modal_projector(self.vision_tower(pixels)).flatten(0, 1)
 
     def _begin(
         self,
@@ -102,8 +101,9 @@ class Gemma3Processing:
         self.embed_id = int(cfg.image_token_index)
         # The image's soft tokens attend to each other both ways: computed in one chunk.
         self.whole_spans = True
-        # The processor writes "\n\n" around an image as text: its tokens on their own (a
-        # tokenizer that merges them with the text around the image is not followed).
+        # The processor writes "\n\n" around an image as text, tokenized with its neighbours;
+        # here they are "\n\n"'s own tokens, which is the same unless the tokenizer merges
+        # them with whitespace beside the placeholder ("user\n" before it gives "\n\n\n").
         newlines = list(tokenizer.encode("\n\n", add_special_tokens=False))
         soft = [self.embed_id] * int(cfg.mm_tokens_per_image)
         self.span_tokens = [
