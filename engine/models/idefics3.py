@@ -10,14 +10,12 @@ SmolVLMProcessor lays spans out alike, with the marker tokens its tokenizer name
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig
 
-from engine.distributed.shard import WHOLE, Shard
 from engine.models.idefics3_vision import Idefics3Connector, Idefics3VisionTransformer
 from engine.models.vision_language import VisionLanguageFamily, VisionLanguageModel
 from engine.multimodal.inputs import ImageItem
@@ -33,15 +31,6 @@ _MARKER, _GLOBAL = "<fake_token_around_image>", "<global-img>"
 
 class Idefics3Vision(VisionLanguageModel):
     vision_modules = ("vision_model", "connector")
-
-    def __init__(self, cfg: PretrainedConfig, shard: Shard = WHOLE) -> None:
-        # transformers ties the head to the embeddings by the top-level flag, whatever the
-        # text config says (a tied checkpoint holds no lm_head, an untied one holds its own).
-        text = copy.copy(cfg.text_config)
-        text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        cfg = copy.copy(cfg)
-        cfg.text_config = text
-        super().__init__(cfg, shard)
 
     def build_vision(self, cfg: PretrainedConfig) -> None:
         self.vision_model = Idefics3VisionTransformer(cfg.vision_config)

@@ -9,6 +9,7 @@ when a config names it, so LLaVA over Llama, Mistral or Qwen2 is one file.
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,7 +34,11 @@ class VisionLanguageModel(DecoderModel):
     vision_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: PretrainedConfig, shard: Shard = WHOLE) -> None:
-        super().__init__(text_config(cfg), shard)
+        # transformers ties the head to the embeddings by the top-level flag, whatever the
+        # text config says (a tied checkpoint holds no lm_head, an untied one its own).
+        text = copy.copy(text_config(cfg))
+        text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        super().__init__(text, shard)
         self.vlm_config = cfg
         self.build_vision(cfg)
 
