@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.models.clip_vision import ClipEncoder
+from engine.models.siglip_vision import SiglipVisionTower
 
 
 class Idefics3VisionEmbeddings(nn.Module):
@@ -44,19 +44,13 @@ class Idefics3VisionEmbeddings(nn.Module):
         return x + self.position_embedding(self.position_ids(rows, cols, x.device))
 
 
-class Idefics3VisionTransformer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig) -> None:
-        super().__init__()
-        self.embeddings = Idefics3VisionEmbeddings(cfg)
-        self.encoder = ClipEncoder(cfg)  # the same pre-norm layers, named alike
-        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+class Idefics3VisionTransformer(SiglipVisionTower):
+    """SigLIP's tower with positions bucketed to each tile's size. Every tile is whole (an
+    image's tiles share one size), so no patch is masked."""
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Every tile is whole (an image's tiles share one size), so no patch is masked."""
-        x = self.embeddings(pixels)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+    def __init__(self, cfg: PretrainedConfig) -> None:
+        super().__init__(cfg)
+        self.embeddings = Idefics3VisionEmbeddings(cfg)  # type: ignore[assignment]
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
