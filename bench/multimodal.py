@@ -8,7 +8,8 @@ No vision-language checkpoint can be had offline, so the model is a random-weigh
 real shapes: a CLIP ViT-B/16 tower at 224 px (196 image tokens, 12 layers, width 768), the
 two-layer projector, and a Llama text model of SmolLM2-135M's shape (30 layers, width 576)
 with the Llama-3.2 tokenizer. Each request is one chat turn with one image and asks for
-`--output-len` tokens (greedy, ignoring EOS); all requests are submitted at once. TTFT is the
+`--output-len` tokens (greedy, ignoring EOS); all requests are submitted at once, each with
+words of its own before its image (the prefix cache finds no image of another request). TTFT is the
 engine's own, per request, as the metrics record it. Both workloads run on one engine, the
 rounds alternating which goes first.
 """
@@ -31,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import LLM, SamplingParams
 from tests.support.vision_models import build_llava, sample_image
 
-PROMPT = "<|user|>\ndescribe <image> in one line\n<|assistant|>\n"
+# Each request's own words come before its image, so that no prompt finds another's image in
+# the prefix cache: what a repeated image saves here is its encoding alone.
+PROMPT = "<|user|>\nrequest {}: describe <image> in one line\n<|assistant|>\n"
 
 
 def build(folder: Path) -> Path:
@@ -58,7 +61,10 @@ def build(folder: Path) -> Path:
 
 def run(llm: LLM, images: list, output_len: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": [image]}} for image in images]
+    prompts = [
+        {"prompt": PROMPT.format(i), "multi_modal_data": {"image": [image]}}
+        for i, image in enumerate(images)
+    ]
     started = time.perf_counter()
     llm.generate(prompts, params)  # type: ignore[arg-type]
     wall = time.perf_counter() - started
