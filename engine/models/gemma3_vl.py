@@ -101,10 +101,11 @@ class Gemma3Processing:
         self.embed_id = int(cfg.image_token_index)
         # The image's soft tokens attend to each other both ways: computed in one chunk.
         self.whole_spans = True
-        # The processor writes "\n\n" around an image as text, tokenized with its neighbours;
-        # here they are "\n\n"'s own tokens, which is the same unless the tokenizer merges
-        # them with whitespace beside the placeholder ("user\n" before it gives "\n\n\n").
+        # The processor writes "\n\n" around an image as text, tokenized with its neighbours:
+        # `join_edges` merges them with whitespace beside the placeholder as that does.
+        self.tokenizer = tokenizer
         newlines = list(tokenizer.encode("\n\n", add_special_tokens=False))
+        self.num_newline_tokens = len(newlines)
         soft = [self.embed_id] * int(cfg.mm_tokens_per_image)
         self.span_tokens = [
             *newlines,
@@ -122,6 +123,31 @@ class Gemma3Processing:
 
     def span(self, data: dict[str, torch.Tensor]) -> list[int]:
         return list(self.span_tokens)
+
+    def join_edges(
+        self, before: list[int], span: list[int], after: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The span's "\n\n" on each side tokenized together with a whitespace token beside
+        it ("user\n" then "\n\n": one "\n\n\n"), as the processor's text tokenizes; the
+        merged tokens belong to the span."""
+        n = self.num_newline_tokens
+        if before and self._blank(before[-1]):
+            span = self._encode(self._text(before[-1]) + "\n\n") + span[n:]
+            before = before[:-1]
+        if after and self._blank(after[0]):
+            span = span[:-n] + self._encode("\n\n" + self._text(after[0]))
+            after = after[1:]
+        return before, span, after
+
+    def _text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    def _blank(self, token: int) -> bool:
+        text = self._text(token)
+        return bool(text) and not text.strip() and token not in self.tokenizer.all_special_ids
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def rope_positions(self, token_ids: list[int], items: Any) -> None:
         return None

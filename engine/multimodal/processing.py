@@ -9,6 +9,7 @@ What differs per model (its image processor, its span, its rotary positions) is 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,18 +67,24 @@ def expand_images(
             f"({processing.placeholder_text!r}) for {len(images)} image(s)",
             param="multi_modal_data",
         )
+    # The text between placeholders; a processor that writes text around a span (Gemma 3's
+    # "\n\n") may tokenize it with the whitespace beside it (`join_edges`).
+    bounds = [-1, *where, len(prompt_ids)]
+    texts = [prompt_ids[a + 1 : b] for a, b in itertools.pairwise(bounds)]
+    join = getattr(processing, "join_edges", None)
     tokens: list[int] = []
     items: list[ImageItem] = []
-    previous = 0
-    for at, image in zip(where, images, strict=True):
-        tokens.extend(prompt_ids[previous:at])
+    for i, image in enumerate(images):
         data = processing.preprocess(image)
         span = processing.span(data)
-        embeds = tuple(i for i, t in enumerate(span) if t == processing.embed_id)
+        before, after = texts[i], texts[i + 1]
+        if join is not None:
+            before, span, texts[i + 1] = join(before, span, after)
+        tokens.extend(before)
+        embeds = tuple(j for j, t in enumerate(span) if t == processing.embed_id)
         items.append(ImageItem(image_hash(image), len(tokens), len(span), embeds, data))
         tokens.extend(span)
-        previous = at + 1
-    tokens.extend(prompt_ids[previous:])
+    tokens.extend(texts[-1])
     rope = processing.rope_positions(tokens, items)
     positions, delta = rope if rope is not None else (None, 0)
     return tokens, MultiModalInputs(tuple(items), positions, delta)

@@ -222,3 +222,31 @@ def test_checkpoint_names_of_both_layouts_load(llm: LLM, checkpoint: str, ours: 
     located = model._locate(checkpoint)
     assert located is not None and located[0] == ours
     assert ours in dict(model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n",  # the template's own
+        "what <start_of_image>\nand <start_of_image> \n",  # spaces and newlines on both sides
+    ],
+)
+def test_whitespace_beside_an_image_merges_as_the_processor_merges_it(
+    gemma3_dir: Path, text: str
+) -> None:
+    """The processor writes "\\n\\n" around each image as text: a newline or space beside the
+    placeholder tokenizes together with it ("\\n" + "\\n\\n" is one "\\n\\n\\n")."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from engine.multimodal.processing import expand_images
+
+    images = [sample_image(1), sample_image(2)][: text.count("<start_of_image>")]
+    processing = _processing(gemma3_dir)
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    ids, mm = expand_images(processing, tok(text)["input_ids"], images)
+    want = AutoProcessor.from_pretrained(gemma3_dir, backend="pil")(
+        images=images, text=[text], return_tensors="pt"
+    )
+    assert ids == want["input_ids"][0].tolist()
+    soft = [i for i, t in enumerate(want["token_type_ids"][0].tolist()) if t == 1]
+    assert [item.offset + j for item in mm.items for j in item.embed_positions] == soft
