@@ -221,7 +221,8 @@ class AsyncEngine:
         params = request.params
         self.info.validate(request.prompt_token_ids, params)
         self.info.check_priority(request.priority)
-        self.engine.check_images(request.multi_modal, params)
+        if request.multi_modal is not None:
+            self.engine.check_images(request.multi_modal, params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile(params.structured_outputs)

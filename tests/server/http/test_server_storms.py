@@ -7,6 +7,7 @@ still gives every request the tokens a large pool gives."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -125,7 +126,12 @@ def offline(default_model_dir: Path) -> Offline:
         STORM_PROMPTS + SMALL_POOL_PROMPTS,
         [storm_params] * len(STORM_PROMPTS) + [SMALL_POOL_PARAMS] * len(SMALL_POOL_PROMPTS),
     )
-    return Offline(outputs[: len(STORM_PROMPTS)], outputs[len(STORM_PROMPTS) :], llm.tokenizer)
+    tokenizer = llm.tokenizer
+    # Freed now, not by a collection in the middle of a storm (its pool is large).
+    llm.close()
+    del llm
+    gc.collect()
+    return Offline(outputs[: len(STORM_PROMPTS)], outputs[len(STORM_PROMPTS) :], tokenizer)
 
 
 def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(
