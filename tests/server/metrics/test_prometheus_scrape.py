@@ -238,13 +238,21 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
     assert p99 is not None and p99 > 0
 
 
-def dashboard_queries(speculative: bool) -> list[str]:
-    """The dashboard's PromQL: the speculative-decoding panels' or all the others'."""
+# The panels of what only some servers run: their metrics exist only there.
+OPTIONAL_PANELS = {"speculative": "spec_decode_", "images": ":mm_"}
+
+
+def dashboard_queries(speculative: bool = False, images: bool = False) -> list[str]:
+    """The dashboard's PromQL: the speculative-decoding panels', the image-input panels', or
+    (neither asked) all the others'."""
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
     queries = [
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
     ]
-    return [q for q in queries if ("spec_decode_" in q) == speculative]
+    if speculative or images:
+        marker = OPTIONAL_PANELS["speculative" if speculative else "images"]
+        return [q for q in queries if marker in q]
+    return [q for q in queries if not any(m in q for m in OPTIONAL_PANELS.values())]
 
 
 def answer(url: str, expr: str, model: str) -> list[dict[str, Any]]:
@@ -257,10 +265,10 @@ def answer(url: str, expr: str, model: str) -> list[dict[str, Any]]:
 
 
 def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: str) -> None:
-    """The speculative-decoding panels are checked on a server that speculates
-    (test_spec_decode_server.py); here, without speculation, they show nothing at all rather
-    than a misleading 0."""
-    queries = dashboard_queries(speculative=False)
+    """The speculative-decoding and image panels are checked on servers that speculate and
+    read images (test_spec_decode_server.py, test_server_images.py); here, on a text model
+    without speculation, they show nothing at all rather than a misleading 0."""
+    queries = dashboard_queries()
     assert len(queries) >= 12
     wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)
     # Traffic inside the queries' rate window: a shared prefix (cache hits), several steps.
@@ -275,9 +283,9 @@ def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: s
     time.sleep(3)  # a few scrapes after the traffic
     for expr in queries:
         assert answer(prometheus, expr, MODEL), f"no data for {expr}"
-    speculative = dashboard_queries(speculative=True)
-    assert len(speculative) == 3
-    for expr in speculative:
+    optional = dashboard_queries(speculative=True) + dashboard_queries(images=True)
+    assert len(optional) == 3 + 4
+    for expr in optional:
         assert answer(prometheus, expr, MODEL) == [], expr
 
 

@@ -544,3 +544,56 @@ def test_the_readme_http_example_runs(
     # so only the shape of what it printed is compared.
     lines = printed.split("\n")
     assert len(lines) >= 3 and chat.choices[0].message.content
+
+
+def test_the_dashboards_image_panels_answer_from_a_real_prometheus(
+    llava_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """The dashboard's image-input panels, answered by a real Prometheus scraping a server of
+    this engine with its metrics on: one new image sent twice is one lookup missed (encoded)
+    and one hit, a hit rate of 0.5 over the window of the two requests."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.app import attach_metrics
+    from tests.server.metrics.test_prometheus_scrape import (
+        answer,
+        dashboard_queries,
+        scraping,
+        wait_for_answer,
+    )
+
+    def total(name: str) -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return next(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == f"pagedserve:{name}"
+        )
+
+    config = ServerConfig(served_model_name=[MODEL])
+    server = RunningServer(llava_engine, config, attach_metrics(llava_engine, config))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    image = random_image(31)
+    with scraping(server.port, tmp_path) as prometheus, client:
+        wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)  # a scrape from before
+        for _ in range(2):
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [text_part("what"), image_part(image)]}],
+                extra_body=EXTRA,
+                **GREEDY,
+            )
+        selector = f'{{model_name="{MODEL}"}}'
+        queries = total("mm_cache_queries_total")
+        wait_for_answer(prometheus, "pagedserve:mm_cache_queries_total" + selector, queries)
+        hit_rate, encoded, p50, p99 = dashboard_queries(images=True)
+        [[_, got]] = [r["value"] for r in answer(prometheus, hit_rate, MODEL)]
+        assert float(got) == pytest.approx(0.5)
+        [[_, got]] = [r["value"] for r in answer(prometheus, encoded, MODEL)]
+        assert float(got) > 0
+        for quantile in (p50, p99):
+            [[_, got]] = [r["value"] for r in answer(prometheus, quantile, MODEL)]
+            assert float(got) > 0
+    server.stop()
