@@ -547,11 +547,12 @@ def test_the_readme_http_example_runs(
 
 
 def test_the_dashboards_image_panels_answer_from_a_real_prometheus(
-    llava_engine: AsyncEngine, tmp_path: Path
+    llava_dir: Path, tmp_path: Path
 ) -> None:
     """The dashboard's image-input panels, answered by a real Prometheus scraping a server of
-    this engine with its metrics on: one new image sent twice is one lookup missed (encoded)
-    and one hit, a hit rate of 0.5 over the window of the two requests."""
+    an engine of its own (its counters start at 0 in the window, so a ratio of rates is the
+    ratio of counts): one image sent twice is one lookup missed (encoded) and one hit, a hit
+    rate of 0.5."""
     import openai
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -572,8 +573,11 @@ def test_the_dashboards_image_panels_answer_from_a_real_prometheus(
             if s.name == f"pagedserve:{name}"
         )
 
+    engine = start_engine(
+        model=str(llava_dir), max_model_len=128, num_kv_blocks=64, attention_backend="torch"
+    )
     config = ServerConfig(served_model_name=[MODEL])
-    server = RunningServer(llava_engine, config, attach_metrics(llava_engine, config))
+    server = RunningServer(engine, config, attach_metrics(engine, config))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     image = random_image(31)
     with scraping(server.port, tmp_path) as prometheus, client:
@@ -597,3 +601,4 @@ def test_the_dashboards_image_panels_answer_from_a_real_prometheus(
             [[_, got]] = [r["value"] for r in answer(prometheus, quantile, MODEL)]
             assert float(got) > 0
     server.stop()
+    engine.shutdown()
