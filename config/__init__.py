@@ -11,6 +11,7 @@ from config.engine_config import (
     StructuredOutputsConfig,
 )
 from config.kv_events_config import KVEventsConfig
+from config.kv_offload_config import KVOffloadConfig
 from config.server_config import LoRAModule, ServeConfig, ServerConfig
 from config.speculative_config import SpeculativeConfig
 
@@ -19,6 +20,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "KVEventsConfig",
+    "KVOffloadConfig",
     "LoRAConfig",
     "LoRAModule",
     "ModelConfig",

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from config.kv_events_config import KVEventsConfig, parse_kv_events_config
+from config.kv_offload_config import KVOffloadConfig
 from config.speculative_config import SpeculativeConfig, parse_speculative_config
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn", "flash-attn-4"]
@@ -326,6 +327,7 @@ class EngineConfig(_Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     structured: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -359,6 +361,7 @@ ENGINE_SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "structured": StructuredOutputsConfig,
     "lora": LoRAConfig,
+    "kv_offload": KVOffloadConfig,
 }
 
 
