@@ -49,6 +49,18 @@ class SpecDecodeStats:
 
 
 @dataclass
+class KVOffloadStats:
+    """The KV offload tiers (--kv-offloading-size, --kv-offloading-disk-dir), by tier name
+    ("host", "disk"): bytes copied into each and back out of it since the previous snapshot,
+    and each one's use now."""
+
+    bytes_stored: dict[str, int] = field(default_factory=dict)
+    bytes_loaded: dict[str, int] = field(default_factory=dict)
+    used_bytes: dict[str, int] = field(default_factory=dict)
+    capacity_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class EngineStats:
     # The state now.
     num_running: int = 0
@@ -60,6 +72,10 @@ class EngineStats:
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    # The KV offload tiers, asked after the pool (vLLM's connector counters): the prompt
+    # tokens of the requests that asked, and the tokens found there.
+    external_prefix_cache_queries: int = 0  # tokens
+    external_prefix_cache_hits: int = 0  # tokens
     kv_events_dropped: int = 0  # KV event batches dropped on the publisher's full queue
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -80,3 +96,5 @@ class EngineStats:
     mm_preprocessing_seconds: list[float] = field(default_factory=list)
     # Speculative decoding (--speculative-config) only.
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # The KV offload tiers (on only with one).
+    kv_offload: KVOffloadStats | None = None

@@ -1,0 +1,125 @@
+"""What the KV cache manager asks of the tiers: find a block by its pool hash, copy found
+blocks into pool blocks, and store the blocks a step has just written.
+
+Stores are write-through: the blocks each step newly registers are copied out of the pool
+right after that step's forward pass (a copy per block, on the engine thread: the pool block
+may be reused by the very next step), into the host tier and onto the disk writer's queue.
+Eviction from the pool then costs nothing. A block already in a tier is not copied again."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_offload.block_io import PoolBlockIO
+from engine.kv_offload.disk_tier import DiskTier
+from engine.kv_offload.disk_writer import DiskWriter
+from engine.kv_offload.host_tier import HostTier
+from engine.kv_offload.keys import tier_key
+from engine.stats import KVOffloadStats
+
+
+@dataclass
+class FoundBlock:
+    """A block's contents found in a tier, held in memory: nothing evicts it once found."""
+
+    tier: str
+    contents: torch.Tensor
+
+
+class KVOffloadConnector:
+    def __init__(
+        self,
+        identity: bytes,
+        io: PoolBlockIO,
+        host: HostTier | None,
+        disk: DiskTier | None,
+        max_pending_disk_bytes: int = 256 * 2**20,
+    ) -> None:
+        self.identity = identity
+        self.io = io
+        self.host = host
+        self.disk = disk
+        self._writer = DiskWriter(disk, max_pending_disk_bytes) if disk is not None else None
+        self._stored: Counter[str] = Counter()
+        self._loaded: Counter[str] = Counter()
+
+    def key(self, block_hash: bytes) -> bytes:
+        return tier_key(self.identity, block_hash)
+
+    def find(self, block_hash: bytes) -> FoundBlock | None:
+        key = self.key(block_hash)
+        if self.host is not None:
+            block = self.host.get(key)
+            if block is not None:
+                return FoundBlock("host", block)
+        if self._writer is not None:
+            block = self._writer.pending(key)
+            if block is not None:  # its write is queued: still a disk store
+                return FoundBlock("disk", block)
+        if self.disk is not None:
+            block = self.disk.read(key)
+            if block is not None:
+                if self.host is not None:  # the next visit finds it in memory
+                    self.host.put(key, block)
+                return FoundBlock("disk", block)
+        return None
+
+    def load(self, found: list[FoundBlock], block_ids: list[int]) -> None:
+        """Copy found blocks into the pool's blocks, before any step reads them."""
+        self.io.scatter(block_ids, [f.contents for f in found])
+        for f in found:
+            self._loaded[f.tier] += f.contents.numel() * f.contents.element_size()
+
+    def _held(self, key: bytes) -> bool:
+        in_host = self.host is not None and key in self.host
+        in_disk = self.disk is None or not self.disk.enabled or key in self.disk
+        in_disk = in_disk or (self._writer is not None and self._writer.pending(key) is not None)
+        return (self.host is None or in_host) and in_disk
+
+    def store(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Copy out the (pool block, block hash) pairs a step has just written, those that
+        some tier does not hold yet."""
+        todo = [(block_id, self.key(h)) for block_id, h in blocks]
+        todo = [(block_id, key) for block_id, key in todo if not self._held(key)]
+        if not todo:
+            return
+        stored = self.io.gather([block_id for block_id, _ in todo])
+        keys = [key for _, key in todo]
+        size = stored.blocks[0].numel() * stored.blocks[0].element_size()
+        if self.host is not None:
+            for key, block in zip(keys, stored.blocks):
+                if key not in self.host:
+                    self.host.put(key, block)
+                    self._stored["host"] += size
+        if self._writer is not None and self.disk is not None and self.disk.enabled:
+            new = [(k, b) for k, b in zip(keys, stored.blocks) if k not in self.disk]
+            if new:
+                dropped = self._writer.num_dropped
+                self._writer.submit(
+                    [k for k, _ in new], type(stored)([b for _, b in new], stored.wait)
+                )
+                self._stored["disk"] += size * (len(new) - (self._writer.num_dropped - dropped))
+
+    def take_stats(self) -> KVOffloadStats:
+        stats = KVOffloadStats(bytes_stored=dict(self._stored), bytes_loaded=dict(self._loaded))
+        self._stored.clear()
+        self._loaded.clear()
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                stats.used_bytes[tier.name] = tier.used_bytes
+                stats.capacity_bytes[tier.name] = tier.capacity_bytes
+        return stats
+
+    def flush(self) -> None:
+        """Wait for the disk writes queued so far."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,35 @@
+"""What names a block in the tiers: a stable hash of everything that determines its K/V.
+
+The pool's chained block hash (engine/core/kv_cache_manager.py `chain_hash`) already covers
+the tokens, the chain before them, the LoRA adapter (the chain's root) and the images; the
+model's identity adds what the pool never needs to say, because one pool serves one model:
+which weights, which layer shapes, which KV dtype and block size. Everything is blake2b over
+bytes, never Python's `hash()`, so a key is the same in every process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    model: str  # the resolved model folder or file
+    architecture: str
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    kv_dtype: str
+    block_size: int
+    quantization: str | None  # another format of the same weights computes other K/V
+
+    def digest(self) -> bytes:
+        text = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
+
+
+def tier_key(identity_digest: bytes, block_hash: bytes) -> bytes:
+    return hashlib.blake2b(identity_digest + block_hash, digest_size=KEY_BYTES).digest()
