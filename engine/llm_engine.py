@@ -26,6 +26,7 @@ from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
 from engine.kv_events.publisher import KVEventPublisher
 from engine.kv_events.wire import CacheSpec
+from engine.kv_offload import KVOffloadConnector, check_kv_offload, make_kv_offload
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
 from engine.lora.assignment import SlotAssignment
@@ -101,12 +102,14 @@ class LLMEngine:
             num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
+        check_kv_offload(config, spec, draft_kv_bytes_per_block(config, spec))
         windows = spec.info.sliding_windows
         # Blocks can be freed behind the windows only when every layer has one.
         slide = None if None in windows else max(w for w in windows if w is not None)
         # Opened before anything heavy, so that a bad --kv-events-config endpoint fails fast.
         events = config.cache.kv_events_config
         self.kv_events: KVEventPublisher | None = None
+        self.offload: KVOffloadConnector | None = None
         if events is not None and events.enabled:
             if not config.cache.enable_prefix_caching or self.pooler is not None:
                 # Events describe the prefix cache: with none, a subscriber would wait forever.
@@ -182,8 +185,16 @@ class LLMEngine:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
+        if isinstance(self.executor, LocalExecutor):  # tensor parallel: refused with tiers
+            local = self.executor
+            self.offload = make_kv_offload(config, spec, lambda: local.runner.kv_caches)
         self.kv = KVCacheManager(
-            num_blocks, self.block_size, caching, slide, record_events=self.kv_events is not None
+            num_blocks,
+            self.block_size,
+            caching,
+            slide,
+            record_events=self.kv_events is not None,
+            offload=self.offload,
         )
         self.loras = SlotAssignment(max_loras) if max_loras is not None else None
         # Adapters unloaded while requests still ran under them: dropped when the last ends.
@@ -451,6 +462,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.close()
         self.executor.close()
+        if self.offload is not None:
+            self.offload.close()  # its queued disk writes land first
         if self.kv_events is not None:
             self.kv_events.close()
 
@@ -476,6 +489,8 @@ class LLMEngine:
         if self.pooler is not None:
             return list(self._pool(step.out, step.batch.host))
         logits = self.executor.execute(step.batch.host)
+        if self.offload is not None:  # the blocks this step wrote, before any is reused
+            self.offload.store(self.kv.take_offload_stores())
         if self.speculator is not None:
             self.speculator.observe(step.out)
         outputs = self.emit_step(self.apply_step(step, logits))
@@ -773,6 +788,10 @@ class LLMEngine:
         stats.preemptions_by_reason = dict(counters.preemptions_by_reason)
         stats.prefix_cache_queries = counters.prefix_cache_queries
         stats.prefix_cache_hits = counters.prefix_cache_hits
+        stats.external_prefix_cache_queries = counters.external_prefix_cache_queries
+        stats.external_prefix_cache_hits = counters.external_prefix_cache_hits
+        if self.offload is not None:
+            stats.kv_offload = self.offload.take_stats()
         stats.num_running = len(scheduler.running)
         stats.num_waiting = len(scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage()

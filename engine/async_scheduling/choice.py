@@ -16,6 +16,8 @@ def async_off_reason(config: EngineConfig, spec: ModelSpec) -> str | None:
         return "tensor-parallel steps are not overlapped (--tensor-parallel-size)"
     if config.scheduler.speculative_config is not None:
         return "a step's drafts are proposed from the step before's tokens (--speculative-config)"
+    if config.kv_offload.enabled:
+        return "the KV offload tiers copy blocks between steps (--kv-offloading-*)"
     if spec.multimodal:
         return "a vision-language model's steps are not overlapped yet"
     return None

@@ -17,10 +17,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.block_pool import BlockHash, BlockPool
 from engine.core.sequence import Sequence
 from engine.kv_events.events import BlockStored, KVEvent, KVEventRecorder
+
+if TYPE_CHECKING:
+    from engine.kv_offload.connector import FoundBlock, KVOffloadConnector
 
 SLID_PAST = -1  # a table entry whose block every layer's window has left behind
 
@@ -55,6 +59,7 @@ class KVCacheManager:
         enable_caching: bool,
         sliding_window: int | None = None,
         record_events: bool = False,
+        offload: KVOffloadConnector | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -70,6 +75,10 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         # What this step registered, so that a step that does not run can take it back.
         self._step_stores = _StepStores()
+        # KV offload tiers: asked after the pool's own prefix hits; the blocks registered
+        # since the last step ran are stored to them once it has written them.
+        self.offload = offload
+        self._offload_new: list[tuple[int, BlockHash]] = []
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -105,6 +114,67 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def load_offloaded(
+        self, seq: Sequence, hits: list[int], max_new_tokens: int
+    ) -> tuple[list[int], int]:
+        """After the pool's own `hits`, the prompt's next full blocks found in the offload
+        tiers, copied into free pool blocks and cached there (as prefix hits, the last token's
+        block never among them): the hits extended, and how many blocks were loaded. A block
+        is loaded only while the pool keeps room for the rest of a `max_new_tokens` chunk;
+        the pool's hits are held while loading, so the blocks it takes never evict them."""
+        if self.offload is None or not self.enable_caching or seq.wants_prompt_logprobs:
+            return hits, 0
+        bs = self.block_size
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // bs)
+        if len(hits) >= len(hashes):
+            return hits, 0
+        held = list(hits)
+        for block_id in held:
+            self.pool.take(block_id)
+        try:
+            plan: list[int | FoundBlock] = []  # a pool block, or contents to load into one
+            num_found = 0
+            for i in range(len(hits), len(hashes)):
+                in_pool = self.pool.lookup(hashes[i])  # the pool may hold a later block
+                if in_pool is not None:
+                    self.pool.take(in_pool)
+                    held.append(in_pool)
+                    plan.append(in_pool)
+                    continue
+                rest = -(-min(seq.num_tokens - (i + 1) * bs, max_new_tokens) // bs)
+                if num_found + 1 + rest > self.pool.num_free:
+                    break
+                found = self.offload.find(hashes[i])
+                if found is None:
+                    break
+                plan.append(found)
+                num_found += 1
+            while num_found > self.pool.num_free:  # later pool hits took free blocks
+                if not isinstance(plan.pop(), int):
+                    num_found -= 1
+            if num_found == 0:
+                return hits, 0
+            new_ids = self.pool.allocate(num_found)  # evicts neither held nor loaded blocks
+            held.extend(new_ids)
+            self.offload.load([p for p in plan if not isinstance(p, int)], new_ids)
+            loaded = iter(new_ids)
+            blocks = list(hits)
+            for i, p in enumerate(plan, start=len(hits)):
+                block_id = p if isinstance(p, int) else next(loaded)
+                if not isinstance(p, int):
+                    self.pool.cache(block_id, hashes[i])
+                blocks.append(block_id)
+            return blocks, num_found
+        finally:
+            # Back to the cached free blocks (the tail first), until allocate_slots takes them.
+            self.pool.release(held[::-1])
+
+    def take_offload_stores(self) -> list[tuple[int, BlockHash]]:
+        """The (block, hash) pairs registered since the last call whose K/V the step that just
+        ran has written: a block the step gave back unwritten (`unregister_step`) is left out."""
+        new, self._offload_new = self._offload_new, []
+        return [(b, h) for b, h in new if self.pool.blocks[b].block_hash == h]
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
@@ -168,6 +238,8 @@ class KVCacheManager:
         for i in range(done, num_full):
             if self.pool.cache(table[i], hashes[i]):
                 self._step_stores.registered[seq.seq_id][1].append(table[i])
+                if self.offload is not None:
+                    self._offload_new.append((table[i], hashes[i]))
                 if run_start is None:
                     run_start = i
             elif run_start is not None:

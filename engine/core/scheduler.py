@@ -43,6 +43,10 @@ class SchedulerCounters:
     preemptions_by_reason: Counter[str] = field(default_factory=Counter)
     prefix_cache_queries: int = 0  # in tokens, as the metrics count them
     prefix_cache_hits: int = 0
+    # The KV offload tiers (vLLM's external prefix cache): prompt tokens of the sequences
+    # that asked them, and tokens loaded from them.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 def rank(seq: Sequence) -> tuple[int, float]:
@@ -196,10 +200,13 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
+            num_pool_hits = len(hits)
+            hits, num_loaded = self.kv.load_offloaded(seq, hits, budget)
             if self.encoder is not None and seq.mm is not None:
                 start = self.encoder.whole_span_start(seq.mm, len(hits) * self.kv.block_size)
                 hits = hits[: start // self.kv.block_size]
             num_cached = len(hits) * self.kv.block_size
+            num_external = min(num_loaded, max(0, len(hits) - num_pool_hits)) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if seq.pooling is not None and num_new < seq.num_tokens - num_cached:
                 break  # pooled whole, never chunked: it waits for a step with room for all of it
@@ -217,7 +224,10 @@ class Scheduler:
                 seq.kv_wait_since = None
             if seq.num_preemptions == 0:
                 self.counters.prefix_cache_queries += seq.num_tokens
-                self.counters.prefix_cache_hits += num_cached
+                self.counters.prefix_cache_hits += num_cached - num_external
+                if self.kv.offload is not None:
+                    self.counters.external_prefix_cache_queries += seq.num_tokens
+                    self.counters.external_prefix_cache_hits += num_external
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
