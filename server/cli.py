@@ -1,5 +1,5 @@
-"""The `pagedserve` command line: `serve` (the OpenAI-compatible HTTP server) and `generate`
-(offline, from prompts on the command line). Settings come from flags, `PAGEDSERVE_*`
+"""The `pagedserve` command line: `serve` (the OpenAI-compatible HTTP server), `generate`
+(offline, from prompts on the command line) and `bench serve` / `bench throughput`. Settings come from flags, `PAGEDSERVE_*`
 environment variables and a YAML `--config` file, merged in `config.sources`."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from config import ConfigError
 from config.engine_config import ENGINE_SECTIONS
 from config.sources import SERVE_SECTIONS, add_flags, merge, serve_config
 from engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
+from server.bench.commands import add_bench_parser, run_bench
+from server.bench.datasets import DatasetError
 
 MODEL_HELP = (
     "local Hugging Face model folder, or a Hub repo id org/name (default: the bundled "
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    add_bench_parser(sub)
     return parser
 
 
@@ -75,10 +78,13 @@ def _generate(args: dict[str, Any], parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    namespace = parser.parse_args(argv)
+    args = vars(namespace)
     command = args.pop("command")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if command == "bench":
+            return run_bench(namespace)
         if command == "serve":
             from server.launch import serve  # the HTTP stack is only imported when it is used
 
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return serve(serve_config(args, os.environ, config_file))
         else:
             _generate(args, parser)
-    except (ConfigError, ModelLoadError, InvalidRequestError) as exc:
+    except (ConfigError, ModelLoadError, InvalidRequestError, DatasetError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     return 0

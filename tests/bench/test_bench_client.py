@@ -1,4 +1,4 @@
-"""The serving benchmark's client (bench/sse_stream.py, bench/serve_load.py): its HTTP framing
+"""The serving benchmark's client (server/bench/sse_stream.py, server/bench/load.py): its HTTP framing
 against answers cut at every byte, and a whole load against the real server over loopback,
 whose counts must be exact."""
 
@@ -7,18 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
+from server.bench.load import run_load
+from server.bench.sse_stream import SSEClient, StreamEnd, _Connection
 from tests.support.server_harness import RunningServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from serve_load import run_load
-from sse_stream import SSEClient, StreamEnd, _Connection
 
 EVENTS = [{"choices": [{"text": "Hel"}]}, {"choices": [{"text": "lo\n\nthere"}]}, {"usage": 2}]
 
