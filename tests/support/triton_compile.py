@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -125,12 +124,15 @@ class Outcome:
     errors: dict[str, str]  # by Case.key: the compiler's message
 
 
-def compile_cases(cases: list[Case], probes: list[int], workdir: Path) -> Outcome:
+def compile_cases(cases: list[Case], probes: list[int], workdir: Path, cache_dir: Path) -> Outcome:
     """Compile `cases`, and probe the toolchain for every capability in them and in `probes`,
-    with Triton's compiler as a GPU machine runs it: no interpreter, no architecture override,
-    and a cache under `workdir`, so every kernel really compiles and nothing is left in
-    ~/.triton. Compiling is CPU-bound: the cases are dealt to one process per core (at most 4;
-    each one starts by importing torch and Triton)."""
+    with Triton's compiler as a GPU machine runs it: no interpreter, no architecture override.
+    Compiled kernels are kept in `cache_dir`, not ~/.triton: Triton keys each one by the
+    kernel's source, its constants and options, the target, and the versions of Triton and
+    ptxas, so a kernel that changed compiles again and an unchanged one is read back with the
+    shared memory its compile reported. A failed compile is never kept. Compiling is CPU-bound:
+    the cases are dealt to one process per core (at most 4; each one starts by importing torch
+    and Triton)."""
     workers = max(1, min(4, os.cpu_count() or 1, len(cases)))
     dealt = [cases[i::workers] for i in range(workers)]
     running = [
@@ -138,6 +140,7 @@ def compile_cases(cases: list[Case], probes: list[int], workdir: Path) -> Outcom
             workdir / f"worker{i}",
             sorted({*(probes if i == 0 else []), *(c.capability for c in share)}),
             share,
+            cache_dir,
         )
         for i, share in enumerate(dealt)
     ]
@@ -155,23 +158,23 @@ def compile_cases(cases: list[Case], probes: list[int], workdir: Path) -> Outcom
             outcome.compiled.update({k: Compiled(**v) for k, v in raw["compiled"].items()})
             outcome.errors.update(raw["errors"])
     finally:
-        for folder, process in running:
+        for _, process in running:
             if process.poll() is None:  # one failed or hung: stop the others compiling
                 process.kill()
                 process.wait()
-            # Nothing reads the compiled kernels again (~25 MB a run); the logs stay.
-            shutil.rmtree(folder / "triton-cache", ignore_errors=True)
     return outcome
 
 
-def _start(folder: Path, probes: list[int], cases: list[Case]) -> tuple[Path, subprocess.Popen]:
+def _start(
+    folder: Path, probes: list[int], cases: list[Case], cache_dir: Path
+) -> tuple[Path, subprocess.Popen]:
     folder.mkdir(parents=True)
     request = folder / "cases.json"
     request.write_text(json.dumps({"probes": probes, "cases": [asdict(c) for c in cases]}))
     env = {
         k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH")
     }
-    env["TRITON_CACHE_DIR"] = str(folder / "triton-cache")
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
     with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
         process = subprocess.Popen(
             [

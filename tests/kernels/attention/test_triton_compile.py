@@ -30,7 +30,7 @@ if importlib.util.find_spec("triton") is None:  # as in test_triton_kernels.py
 
 from pydantic import ValidationError
 
-from config.engine_config import CacheConfig, DType
+from config.engine_config import CacheConfig, DType, default_cache_dir
 from kernels.attention.registry import BY_NAME
 from tests.support.triton_compile import (
     FUSED_KERNELS,
@@ -136,7 +136,10 @@ def outcome(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         callspec = getattr(item, "callspec", None)
         if callspec is not None and isinstance(callspec.params.get("case"), Case):
             selected.append(callspec.params["case"])
-    return compile_cases(selected, [UNBUILDABLE], tmp_path_factory.mktemp("triton-compile"))
+    # Compiled kernels are kept between runs (~25 MB), beside the converted default model: an
+    # unchanged kernel is read back, a changed one compiles again (see `compile_cases`).
+    cache = default_cache_dir() / "triton-compile"
+    return compile_cases(selected, [UNBUILDABLE], tmp_path_factory.mktemp("triton-compile"), cache)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)
