@@ -1,0 +1,316 @@
+"""The KV offload tiers on a real engine whose pool is smaller than the workload: documents
+read once, then asked about again after the pool has evicted them. Revisits load their prefix
+from the host tier, or from the disk tier (also after a restart), count it as cached tokens,
+and generate exactly the tokens of an engine whose pool holds everything (float32, greedy).
+Blocks of another model, dtype or adapter in the same folder never hit; bad files are misses
+with a warning; a folder that cannot be written turns the disk tier off and serving goes on;
+and random arrivals with the tiers evicting between lookup and load keep the pool consistent."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.kv_cache_manager import chain_hash
+from engine.kv_offload.disk_tier import SUFFIX, encode_block
+from engine.lora.request import LoRARequest
+from engine.outputs import RequestOutput
+from engine.stats import EngineStats
+from tests.support.lora import make_adapter
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+COMMON = {"max_model_len": 128, "block_size": BLOCK, "dtype": "float32", "max_num_seqs": 2}
+# Two sequences of 70 prompt tokens (+4) hold 10 blocks: the pool keeps about two documents.
+SMALL_POOL = {**COMMON, "num_kv_blocks": 12}
+HOST_GIB = 0.002  # ~500 blocks of this model: the whole workload
+DISK_GIB = 0.004
+
+_rng = random.Random(0)
+DOCS = [[_rng.randrange(1000, 20000) for _ in range(4 * BLOCK)] for _ in range(6)]
+QUESTIONS = [[_rng.randrange(1000, 20000) for _ in range(6)] for _ in range(2)]
+FIRST = [doc + QUESTIONS[0] for doc in DOCS]
+SECOND = [doc + QUESTIONS[1] for doc in DOCS]
+DOC_TOKENS = 4 * BLOCK
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    cached: list[int]
+    stats: EngineStats
+
+
+def run(llm: LLM, prompts: list[list[int]], lora: LoRARequest | None = None) -> Run:
+    outputs = llm.generate(prompts, GREEDY, lora_request=lora)
+    llm.engine.kv.check_consistency()
+    stats = llm.last_run_stats
+    assert stats is not None
+    return Run(
+        [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs], stats
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> Iterator[LLM]:
+    """An engine whose pool holds every prompt: the tokens the tiers must not change."""
+    with LLM(str(llama_dir), **COMMON, num_kv_blocks=256) as llm:
+        yield llm
+
+
+def expected(reference: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+
+
+def block_bytes(llm: LLM) -> int:
+    return llm.engine.spec.kv_bytes_per_block
+
+
+def disk(folder: Path, gib: float = DISK_GIB) -> dict[str, object]:
+    return {"kv_offloading_disk_dir": str(folder), "kv_offloading_disk_size": gib}
+
+
+def first_block_file(llm: LLM, doc: list[int]) -> Path:
+    offload = llm.engine.offload
+    assert offload is not None and offload.disk is not None
+    return offload.disk.path(offload.key(chain_hash(b"", doc[:BLOCK])))
+
+
+def test_revisits_load_their_prefix_from_the_host_tier(llama_dir: Path, reference: LLM) -> None:
+    with LLM(str(llama_dir), **SMALL_POOL, kv_offloading_size=HOST_GIB) as llm:
+        first = run(llm, FIRST)
+        second = run(llm, SECOND)
+        size = block_bytes(llm)
+    assert first.tokens == expected(reference, FIRST)
+    assert second.tokens == expected(reference, SECOND)
+    assert first.stats.external_prefix_cache_hits == 0
+    assert first.stats.external_prefix_cache_queries == sum(len(p) for p in FIRST)
+    # The pool kept two documents at most: the first four at least come back from the tier.
+    assert second.cached == [DOC_TOKENS] * len(DOCS)
+    hits = second.stats.external_prefix_cache_hits
+    assert hits >= 4 * DOC_TOKENS
+    assert hits + second.stats.prefix_cache_hits == DOC_TOKENS * len(DOCS)
+    offload = second.stats.kv_offload
+    assert offload is not None
+    assert offload.bytes_loaded == {"host": hits // BLOCK * size}
+    assert first.stats.kv_offload is not None
+    # Every full block of the first pass (4 of each prompt), copied once.
+    assert first.stats.kv_offload.bytes_stored == {"host": 4 * len(DOCS) * size}
+    assert offload.used_bytes["host"] == 4 * len(DOCS) * size
+    assert offload.capacity_bytes["host"] == int(HOST_GIB * 2**30)
+
+
+def test_revisits_load_from_the_disk_tier_and_a_restart_finds_it(
+    llama_dir: Path, reference: LLM, tmp_path: Path
+) -> None:
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        run(llm, FIRST)
+        second = run(llm, SECOND)
+    assert second.tokens == expected(reference, SECOND)
+    assert second.cached == [DOC_TOKENS] * len(DOCS)
+    assert second.stats.external_prefix_cache_hits >= 4 * DOC_TOKENS
+    assert second.stats.kv_offload is not None
+    assert set(second.stats.kv_offload.bytes_loaded) == {"disk"}
+    assert len(list(folder.glob("*" + SUFFIX))) == 4 * len(DOCS)
+
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as restarted:
+        again = run(restarted, SECOND)
+    assert again.tokens == expected(reference, SECOND)
+    assert again.cached == [DOC_TOKENS] * len(DOCS)
+    assert again.stats.external_prefix_cache_hits == DOC_TOKENS * len(DOCS)  # an empty pool
+
+
+def test_another_model_dtype_or_adapter_never_hits(
+    llama_dir: Path, qwen3_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        run(llm, FIRST)
+    stored = len(list(folder.glob("*" + SUFFIX)))
+    with LLM(str(qwen3_dir), **SMALL_POOL, **disk(folder)) as other_model:
+        assert run(other_model, FIRST).stats.external_prefix_cache_hits == 0
+    with LLM(str(llama_dir), **{**SMALL_POOL, "dtype": "bfloat16"}, **disk(folder)) as bf16:
+        assert run(bf16, FIRST).stats.external_prefix_cache_hits == 0
+    adapter = make_adapter(llama_dir, tmp_path / "adapter", 8, 16, ["q_proj", "v_proj"], seed=1)
+    lora = LoRARequest("a", 1, str(adapter))
+    with LLM(
+        str(llama_dir), **SMALL_POOL, **disk(folder), enable_lora=True, max_lora_rank=8
+    ) as with_lora:
+        assert run(with_lora, FIRST, lora).stats.external_prefix_cache_hits == 0
+        # The base model's blocks are there all along.
+        assert run(with_lora, FIRST).stats.external_prefix_cache_hits == DOC_TOKENS * len(DOCS)
+    # Each stored its own blocks beside the others'.
+    assert len(list(folder.glob("*" + SUFFIX))) == 4 * stored
+
+
+def test_corrupt_truncated_and_foreign_files_are_misses_with_a_warning(
+    llama_dir: Path, reference: LLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        run(llm, FIRST)
+        bad = [first_block_file(llm, doc) for doc in DOCS[:3]]
+        offload = llm.engine.offload
+        assert offload is not None and offload.disk is not None
+        shape = offload.disk.shape
+    flipped = bytearray(bad[0].read_bytes())
+    flipped[-1] ^= 0xFF
+    bad[0].write_bytes(bytes(flipped))
+    bad[1].write_bytes(bad[1].read_bytes()[:-100])
+    # A block file as another model would have written it, under this block's name.
+    key = bytes.fromhex(bad[2].name.removesuffix(SUFFIX))
+    bad[2].write_bytes(encode_block(key, b"\x01" * 16, torch.zeros(shape)))
+    notes = folder / "notes.txt"
+    notes.write_text("not a block")
+
+    caplog.set_level(logging.WARNING, logger="engine.kv_offload")
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as restarted:
+        again = run(restarted, FIRST)
+    assert again.tokens == expected(reference, FIRST)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings
+    for path, why in zip(bad, ["checksum mismatch", "truncated", "its model is"]):
+        assert any(str(path) in w and why in w for w in warnings), (path, why, warnings)
+    # The three documents computed their prefix again; the others loaded theirs.
+    assert again.stats.external_prefix_cache_hits == 3 * DOC_TOKENS
+    assert notes.read_text() == "not a block"  # not ours: left alone
+    # Written again, whole, by the requests that recomputed them.
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as third:
+        assert run(third, FIRST).stats.external_prefix_cache_hits == DOC_TOKENS * len(DOCS)
+
+
+def test_a_folder_that_cannot_be_made_turns_the_disk_tier_off(
+    llama_dir: Path, reference: LLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    caplog.set_level(logging.WARNING, logger="engine.kv_offload")
+    with LLM(
+        str(llama_dir), **SMALL_POOL, **disk(blocker / "tier"), kv_offloading_size=HOST_GIB
+    ) as llm:
+        run(llm, FIRST)
+        second = run(llm, SECOND)
+    assert any("KV disk tier off" in r.getMessage() for r in caplog.records)
+    assert second.tokens == expected(reference, SECOND)
+    assert second.stats.kv_offload is not None
+    assert set(second.stats.kv_offload.bytes_loaded) == {"host"}  # the host tier still serves
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_turns_the_disk_tier_off(
+    llama_dir: Path,
+    reference: LLM,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    code: int,
+) -> None:
+    """The disk fills up (or is remounted read-only) while serving: simulated at the rename
+    that would put a written block in place (no test can fill a real disk here)."""
+    import engine.kv_offload.disk_tier as disk_tier
+
+    def failing_replace(src: object, dst: object) -> None:
+        raise OSError(code, "simulated")
+
+    monkeypatch.setattr(disk_tier.os, "replace", failing_replace)
+    folder = tmp_path / "tier"
+    caplog.set_level(logging.WARNING, logger="engine.kv_offload")
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        first = run(llm, FIRST)
+        second = run(llm, SECOND)
+        offload = llm.engine.offload
+        assert offload is not None and offload.disk is not None
+        assert not offload.disk.enabled
+    assert first.tokens == expected(reference, FIRST)
+    assert second.tokens == expected(reference, SECOND)
+    assert sum("KV disk tier off" in r.getMessage() for r in caplog.records) == 1
+    assert list(folder.iterdir()) == []  # no temporary file left behind
+
+
+def test_the_disk_tier_evicts_its_oldest_files_within_its_size(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as sizing:
+        run(sizing, FIRST[:1])
+        file_size = next(folder.glob("*" + SUFFIX)).stat().st_size
+    for f in folder.iterdir():
+        f.unlink()
+    gib = 10 * file_size / 2**30
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder, gib)) as llm:
+        run(llm, FIRST)
+        newest = first_block_file(llm, DOCS[-1])
+        oldest = first_block_file(llm, DOCS[0])
+    files = list(folder.glob("*" + SUFFIX))
+    assert len(files) == 10
+    assert newest.exists() and not oldest.exists()
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder, 5 * file_size / 2**30)):
+        assert len(list(folder.glob("*" + SUFFIX))) == 5  # a smaller budget, at start-up
+
+
+def test_random_arrivals_with_tier_evictions_between_lookup_and_load(
+    llama_dir: Path, reference: LLM, tmp_path: Path
+) -> None:
+    """Requests arrive at random steps over shared documents; each time the tiers find a block,
+    the host tier is flooded (evicting it) and a random disk file may vanish before the block
+    is loaded. The pool stays consistent after every step, every block comes back, and every
+    request gets the large pool's tokens."""
+    rng = random.Random(7)
+    prompts = []
+    for _ in range(24):
+        doc = rng.choice(DOCS)
+        cut = rng.randrange(BLOCK, len(doc) + 1)
+        prompts.append(doc[:cut] + [rng.randrange(1000, 20000) for _ in range(rng.randrange(1, 9))])
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randrange(1, 7), ignore_eos=True)
+        for _ in prompts
+    ]
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    with LLM(
+        str(llama_dir), **SMALL_POOL, kv_offloading_size=HOST_GIB, **disk(tmp_path / "tier")
+    ) as llm:
+        engine = llm.engine
+        offload = engine.offload
+        assert offload is not None and offload.host is not None and offload.disk is not None
+        host, disk_tier, find = offload.host, offload.disk, offload.find
+        shape = disk_tier.shape
+        found = 0
+
+        def racing_find(block_hash: bytes):  # type: ignore[no-untyped-def]
+            nonlocal found
+            block = find(block_hash)
+            if block is not None:
+                found += 1
+                if rng.random() < 0.5:
+                    for _ in range(len(host) + 1):
+                        host.put(rng.randbytes(16), torch.zeros(shape))
+                files = list(disk_tier.folder.glob("*" + SUFFIX))
+                if files and rng.random() < 0.3:
+                    rng.choice(files).unlink()
+            return block
+
+        offload.find = racing_find  # type: ignore[method-assign]
+        pending = list(enumerate(prompts))
+        got: dict[str, list[int]] = {}
+        while pending or engine.has_unfinished_requests():
+            for _ in range(rng.randrange(0, 3)):
+                if pending:
+                    i, prompt = pending.pop(0)
+                    engine.add_request(prompt, params[i], request_id=str(i))
+            for out in engine.step():
+                if isinstance(out, RequestOutput) and out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+            engine.kv.check_consistency()
+            offload.flush()
+        assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert found > 0
+    assert [got[str(i)] for i in range(len(prompts))] == want
