@@ -52,10 +52,17 @@ class DaemonThreadPool(Executor):
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():  # cancelled while it waited
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                future.set_exception(exc)
+            _do(*item)
+            # The next get() may wait for the rest of the process's life: nothing of the work
+            # done may stay referenced from this frame meanwhile (an engine's step function
+            # holds its weights and KV cache).
+            del item
+
+
+def _do(future: Future[Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    if not future.set_running_or_notify_cancel():  # cancelled while it waited
+        return
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+        future.set_exception(exc)

@@ -18,6 +18,7 @@ the next starts, so the overlap there is the host's work against the model's.
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,6 +104,9 @@ class StepPipeline:
         self.needs_sync = needs_sync
         # A daemon thread: a step stuck in the model must not hold up the process's exit.
         self._model = DaemonThreadPool(1, "pagedserve-model")
+        # An engine dropped without close() (an `LLM` that goes out of scope) ends its thread too;
+        # the callback holds the thread pool, not this pipeline, so it does not keep it alive.
+        weakref.finalize(self, self._model.shutdown, False)
         self._running: tuple[PlannedStep, concurrent.futures.Future[torch.Tensor]] | None = None
 
     def step(self) -> list[EngineOutput]:

@@ -6,7 +6,11 @@ running; and the flag's refusals."""
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +209,24 @@ def test_unset_it_is_off_on_the_cpu(qwen3_dir: Path) -> None:
         **engine_settings(qwen3_dir, True) | {"async_scheduling": None}
     )
     assert not use_async_scheduling(config, resolve_model_spec(config))
+
+
+def test_a_dropped_engine_frees_its_model_and_ends_its_thread(qwen3_dir: Path) -> None:
+    """An `LLM` that goes out of scope without close() must give its weights and KV cache back:
+    on a GPU, the next engine sizes its pool from the memory left free. The model thread once
+    kept the last step's function, and with it the executor, alive for good."""
+    before = set(threading.enumerate())
+    llm = LLM(**engine_settings(qwen3_dir, True))
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    executor = weakref.ref(llm.engine.executor)
+    (thread,) = [
+        t for t in set(threading.enumerate()) - before if t.name.startswith("pagedserve-model")
+    ]
+    del llm
+    # The thread lets go of its last step a moment after handing its result over.
+    deadline = time.monotonic() + 5.0
+    while gc.collect() is not None and executor() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert executor() is None
+    thread.join(2.0)
+    assert not thread.is_alive()
