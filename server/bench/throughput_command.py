@@ -23,7 +23,10 @@ from server.bench.dataset_flags import (
 from server.bench.datasets import Conversation, completion_prompt
 from server.bench.workload import LOW_TOKEN_ID
 
-ENGINE_SETTINGS = {name for section in ENGINE_SECTIONS.values() for name in section.model_fields}
+# --seed is the dataset's (the engine samples greedily here), so it is not one of these.
+ENGINE_SETTINGS = {
+    name for section in ENGINE_SECTIONS.values() for name in section.model_fields
+} - {"seed"}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -49,7 +52,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", type=Path, default=None, help="YAML file of engine settings")
     engine = parser.add_argument_group("engine")
-    # --seed is the dataset's; the engine's sampling is greedy here.
     add_flags(engine, ENGINE_SECTIONS, skip=("model", "seed"))  # type: ignore[arg-type]
     parser.set_defaults(bench_main=main, bench_parser=parser)
     return parser
