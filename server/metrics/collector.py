@@ -11,6 +11,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import EngineStats
+from server.metrics.kv_offload import KVOffloadMetrics
 from server.metrics.multimodal import MultiModalMetrics
 from server.metrics.names import MetricNames
 from server.metrics.spec_decode import SpecDecodeMetrics
@@ -220,6 +221,9 @@ class EngineMetrics:
         if num_speculative_tokens is not None:
             self.spec_decode = SpecDecodeMetrics(registry, names, num_speculative_tokens, labels, m)
         self.multimodal = MultiModalMetrics(registry, names, labels, m) if images else None
+        # Made with the first stats that carry tier figures: none without the tiers.
+        self.kv_offload: KVOffloadMetrics | None = None
+        self._series = (names, labels, m)
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""
@@ -251,6 +255,10 @@ class EngineMetrics:
             self.spec_decode.record(stats.spec_decode)
         if self.multimodal is not None:
             self.multimodal.record(stats)
+        if stats.kv_offload is not None and self.kv_offload is None:
+            self.kv_offload = KVOffloadMetrics(self.registry, *self._series)
+        if self.kv_offload is not None:
+            self.kv_offload.record(stats)
         for done in stats.finished:
             self.success[done.finish_reason].inc()
             self.e2e.observe(done.e2e_latency)

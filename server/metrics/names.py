@@ -25,6 +25,8 @@ IN_VLLM = frozenset(
         "num_preemptions",
         "prefix_cache_queries",
         "prefix_cache_hits",
+        "external_prefix_cache_queries",
+        "external_prefix_cache_hits",
         "prompt_tokens",
         "generation_tokens",
         "request_success",
