@@ -64,6 +64,7 @@ def run_anchor(task: Record, progress: Progress) -> None:
             f"decode_{plan['batch']}",
             lambda: decode_step(llm, prompts, plan, device),  # noqa: B023
         )
+    llm.close()
 
 
 def run_kernels(task: Record, progress: Progress) -> None:
@@ -104,4 +105,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Everything is written: skip the interpreter's teardown. On the H200 (torch 2.11, CUDA 13)
+    # both workers that had run torch.profiler aborted there ("terminate called without an active
+    # exception"), which turned finished stages into failed ones.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
