@@ -164,6 +164,8 @@ class KVCacheManager:
                 block_id = p if isinstance(p, int) else next(loaded)
                 if not isinstance(p, int):
                     self.pool.cache(block_id, hashes[i])
+                    # Subscribers learn of it as of any block stored; no step can take it back.
+                    self._record_stored(seq, hashes, i, i + 1, in_step=False)
                 blocks.append(block_id)
             return blocks, num_found
         finally:
@@ -249,7 +251,9 @@ class KVCacheManager:
             self._record_stored(seq, hashes, run_start, num_full)
         self._num_registered[seq.seq_id] = num_full
 
-    def _record_stored(self, seq: Sequence, hashes: list[BlockHash], start: int, end: int) -> None:
+    def _record_stored(
+        self, seq: Sequence, hashes: list[BlockHash], start: int, end: int, in_step: bool = True
+    ) -> None:
         """One BlockStored for blocks [start, end) of the sequence: a block already cached
         under another copy is not stored again, so a run ends there (its hash is still the
         next run's parent, as the chain says)."""
@@ -266,7 +270,8 @@ class KVCacheManager:
             self._extra_keys(seq, start, end),
         )
         self.events.events.append(stored)
-        self._step_stores.events.append(stored)
+        if in_step:
+            self._step_stores.events.append(stored)
 
     def _extra_keys(self, seq: Sequence, start: int, end: int) -> list[list[str] | None] | None:
         """Per block, the hex hashes of the images it covers (vLLM's `extra_keys`); None when

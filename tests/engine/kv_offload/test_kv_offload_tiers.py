@@ -275,9 +275,11 @@ def test_random_arrivals_with_tier_evictions_between_lookup_and_load(
         for _ in prompts
     ]
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    host_gib = 40 * 4096 / 2**30  # 40 blocks of this model
     with LLM(
-        str(llama_dir), **SMALL_POOL, kv_offloading_size=HOST_GIB, **disk(tmp_path / "tier")
+        str(llama_dir), **SMALL_POOL, kv_offloading_size=host_gib, **disk(tmp_path / "tier")
     ) as llm:
+        assert block_bytes(llm) == 4096
         engine = llm.engine
         offload = engine.offload
         assert offload is not None and offload.host is not None and offload.disk is not None
@@ -290,8 +292,8 @@ def test_random_arrivals_with_tier_evictions_between_lookup_and_load(
             block = find(block_hash)
             if block is not None:
                 found += 1
-                if rng.random() < 0.5:
-                    for _ in range(len(host) + 1):
+                if rng.random() < 0.5:  # every block of the host tier evicted
+                    for _ in range(host.capacity_bytes // block_bytes(llm)):
                         host.put(rng.randbytes(16), torch.zeros(shape))
                 files = list(disk_tier.folder.glob("*" + SUFFIX))
                 if files and rng.random() < 0.3:
