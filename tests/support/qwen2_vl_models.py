@@ -136,9 +136,11 @@ class _StandInVideoProcessor:
     merge_size = 2
 
 
+@cache
 def reference_processor(folder: Path):
     """transformers' Qwen2VLProcessor (Qwen2.5-VL's differs only for videos) over the saved
-    tokenizer and image processor."""
+    tokenizer and image processor; one per folder, since reading the 150k-token tokenizer takes
+    seconds and calling the processor changes nothing in it."""
     from transformers import AutoTokenizer, Qwen2VLProcessor
 
     class ImagesOnlyProcessor(Qwen2VLProcessor):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 from engine.distributed.shard import WHOLE
@@ -110,7 +110,7 @@ def oracle(kind: str, folder: Path, name: str) -> tuple[str, list[int], list[int
     key = (str(folder), name)
     if key not in _oracle:
         messages, images = CONVERSATIONS[name]
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = reference_processor(folder).tokenizer
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids, tokens = hf_qwen_vl_greedy(folder, kind, text, images, MAX_NEW)
         _oracle[key] = (text, ids, tokens)
