@@ -28,6 +28,16 @@ def tokenizer_dir(name: str) -> Path:
     return Path(spec.origin).parent / folder
 
 
+@cache
+def base_tokenizer(name: str):
+    """The real tokenizer `name`, read once a process: reading Qwen's 150k-token tokenizer.json
+    takes most of a second of CPU, and the model builders only read it and save it; callers
+    must not change it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(name))
+
+
 def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -167,9 +177,9 @@ def build_random_model(
     folder: Path, arch: str, tokenizer: str, seed: int = 0, shard: bool = False, **overrides
 ) -> Path:
     """Save a random-weight model of `arch` with a real tokenizer into `folder`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer))
+    tok = base_tokenizer(tokenizer)
     # A smaller vocab_size keeps the tokenizer's first ids only: small weights for small tests.
     cfg = _config(arch, overrides.pop("vocab_size", len(tok)), **overrides)
     cfg.eos_token_id = tok.eos_token_id

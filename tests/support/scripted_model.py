@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from tests.support.models import _config, tokenizer_dir
+from tests.support.models import _config, base_tokenizer
 
 Context = tuple[int, ...]
 Script = dict[Context, int]
@@ -118,7 +118,7 @@ def build_scripted_model(folder: Path, script: Mapping[Context, int], seed: int 
     order = len(next(iter(script)))
     if not 1 <= order <= 4 or any(len(c) != order for c in script):
         raise ValueError("all contexts must have the same length, 1 to 4")
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen"))
+    tok = base_tokenizer("qwen")
     cfg = _config("qwen3", len(tok))
     cfg.eos_token_id = tok.eos_token_id
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
