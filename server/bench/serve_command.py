@@ -11,9 +11,12 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from server.bench.dataset_flags import (
     add_dataset_flags,
@@ -161,7 +164,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.served_model_name is None or (needs_tokenizer and not args.tokenizer)
     ):
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        listed = asyncio.run(first_model(base_url, headers))
+        try:
+            listed = asyncio.run(first_model(base_url, headers))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            print(f"pagedserve: error: cannot list {base_url}/v1/models: {exc}", file=sys.stderr)
+            return 2
     settings.model = args.served_model_name or args.model or str(listed["id"])
     tokenizer_name = args.tokenizer or args.model or listed.get("root") or listed.get("id")
     tokenizer = load_tokenizer(str(tokenizer_name)) if needs_tokenizer else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,14 @@ def test_bad_values_are_refused_saying_why(
         main(_bench_serve(*flags))
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_server_that_cannot_be_reached_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(_bench_serve("--port", str(port), "--num-prompts", "1")) == 2
+    assert f"cannot list http://127.0.0.1:{port}/v1/models" in capsys.readouterr().err
 
 
 def test_a_custom_file_is_read_in_order_and_its_faults_are_located(tmp_path: Path) -> None:
