@@ -13,7 +13,7 @@ from engine import LLM, BeamSearchParams, SamplingParams
 from engine.core.beam_search import length_divisor
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
-from tests.support.models import hf_beams, hf_greedy
+from tests.support.models import build_random_model, hf_beams, hf_greedy
 
 BLOCK = 16
 NUM_BLOCKS = 256
@@ -73,6 +73,23 @@ SETTINGS = [
     (8, 1.0, True),
     (8, 1.5, "never"),
 ]
+
+
+# The suite's Qwen3 and Llama models, each with its tokenizer's first 8,192 ids only: the prompts
+# draw from 100-4999, and every beam step ranks the whole vocabulary for every beam (here and in
+# transformers), so the real tokenizers' 150k and 128k ids would cost far more than the layers.
+VOCAB = 8192
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("qwen3"), "qwen3", "qwen", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("llama")
+    return build_random_model(folder, "llama", "llama", shard=True, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
