@@ -37,6 +37,7 @@ from server.bench.load import (
     run_conversations,
 )
 
+BACKENDS = ("vllm", "openai", "openai-chat")
 DESCRIPTION = (
     "Load an OpenAI-compatible server with streamed requests and report TTFT, TPOT, ITL and "
     "end-to-end latency (mean, median, p99) and request and token throughput. Exits 1 when a "
@@ -56,6 +57,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     where.add_argument("--host", default="127.0.0.1", help="[default: 127.0.0.1]")
     where.add_argument("--port", type=positive_int, default=8000, help="[default: 8000]")
+    where.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="vLLM's name for the API spoken: openai-chat for "
+        f"{CHAT_COMPLETIONS}, vllm or openai for {COMPLETIONS}; only checked against --endpoint",
+    )
     where.add_argument(
         "--endpoint",
         default=COMPLETIONS,
@@ -136,6 +144,9 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             f"--endpoint must be a path ending in completions ({COMPLETIONS} or "
             f"{CHAT_COMPLETIONS}), not {args.endpoint!r}"
         )
+    chat = endpoint.endswith("chat/completions")
+    if args.backend is not None and (args.backend == "openai-chat") != chat:
+        parser.error(f"--backend {args.backend} does not speak --endpoint {args.endpoint}")
     base = args.base_url or f"http://{args.host}:{args.port}"
     if not base.startswith("http://"):
         parser.error(f"--base-url must be an http:// URL, not {base!r}")

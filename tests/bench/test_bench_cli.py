@@ -30,7 +30,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 def test_vllm_flag_names_are_taken() -> None:
     args = build_parser().parse_args(
         _bench_serve(
-            "--model", "org/model", "--base-url", "http://10.0.0.5:8001",
+            "--model", "org/model", "--base-url", "http://10.0.0.5:8001", "--backend", "openai-chat",
             "--endpoint", "/v1/chat/completions", "--dataset-name", "random",
             "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.5",
             "--num-prompts", "3", "--max-concurrency", "2", "--request-rate", "4", "--seed", "5",
@@ -45,7 +45,7 @@ def test_vllm_flag_names_are_taken() -> None:
     assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == (32, 8, 0.5)
     assert (args.num_prompts, args.max_concurrency, args.request_rate, args.seed) == (3, 2, 4.0, 5)
     assert args.ignore_eos and args.save_result and args.result_filename == "r.json"
-    assert args.disable_tqdm
+    assert args.disable_tqdm and args.backend == "openai-chat"
 
     defaults = build_parser().parse_args(["bench", "serve"])
     assert math.isinf(defaults.request_rate) and defaults.max_concurrency is None
@@ -81,6 +81,8 @@ def test_vllm_flag_names_are_taken() -> None:
         (["--dataset-path", "p.jsonl"], "--dataset-path is read only with --dataset-name custom"),
         (["--endpoint", "/v1/embeddings"], "--endpoint must be a path ending in completions"),
         (["--base-url", "https://example.com"], "--base-url must be an http:// URL"),
+        (["--backend", "openai-chat"], "--backend openai-chat does not speak --endpoint /v1/comp"),
+        (["--backend", "vllm", "--endpoint", "/v1/chat/completions"], "does not speak"),
     ],
 )
 def test_bad_values_are_refused_saying_why(
