@@ -9,7 +9,7 @@
 # no iptables changes, and stopped by its pid at the end, where the folder is removed.
 #
 # What this cannot prove (no GPU, no CUDA base here): the CUDA torch, flash-attn, Triton's
-# launcher build on a GPU, `--gpus all`. See README "Docker".
+# launcher build on a GPU, `--gpus all`. See docs/deployment.md, "Docker, compose, Grafana, Kubernetes".
 #
 # Usage: .ci/docker_check.sh (as root, after `make install`: it reads .venv).
 set -euo pipefail

@@ -166,10 +166,10 @@ def test_openai_agents_sdk_runs_a_tool_and_returns_a_typed_output(
     assert [r.getMessage() for r in caplog.records if r.name.startswith("openai.agents")] == []
 
 
-def test_readme_langchain_example_runs(server: RunningServer) -> None:
-    """The README's agent-frameworks example, as written, against a server with no flags: a typed
-    city, then a bound tool with auto choice answered by a call or by text."""
-    (snippet,) = python_examples("Agent frameworks")
+def test_docs_langchain_example_runs(server: RunningServer) -> None:
+    """The agent-frameworks example (docs/openai-api.md), as written, against a server with no
+    flags: a typed city, then a bound tool with auto choice answered by a call or by text."""
+    (snippet,) = python_examples("Agent frameworks", page="openai-api.md")
     city, _, reply = run_example(server.url, "python", snippet).strip().partition("\n")
     name, country = city.split(" / ")
     assert name.strip() and country.strip()

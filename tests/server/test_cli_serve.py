@@ -1,12 +1,12 @@
 """`pagedserve serve`: every flag documented, settings merged from flag > environment > config
 file > default, bad settings refused before any model loads, and the README's curl and SDK
-examples run as written against the real command serving the default model."""
+examples (also those of docs/openai-api.md) run as written against the real command serving the
+default model."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -19,9 +19,9 @@ from config import ConfigError, EngineConfig, ModelConfig
 from config.engine_config import flag
 from config.sources import SERVE_SECTIONS, serve_config
 from server import cli
+from tests.support.readme import code_blocks
+from tests.support.readme import section as doc_section
 from tests.support.server_harness import free_port, wait_until_answering
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -146,11 +146,10 @@ def test_serve_refuses_bad_flags_before_loading(capsys: pytest.CaptureFixture[st
     assert "--kv-events-config: Value error, not valid JSON" in capsys.readouterr().err
 
 
-def test_readme_kv_events_command_resolves_to_vllms_settings() -> None:
-    """The README's --kv-events-config example is what the server would publish with."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### KV cache events for prefix-aware routers\n") :]
-    (command,) = re.findall(r"```bash\n(.*?)```", section[: section.index("\n### ", 1)], re.S)
+def test_docs_kv_events_command_resolves_to_vllms_settings() -> None:
+    """The --kv-events-config example of docs/deployment.md is what the server would publish with."""
+    text = doc_section("KV cache events for prefix-aware routers", page="deployment.md")
+    (command,) = code_blocks(text, "bash")
     argv = shlex.split(command.replace("\\\n", " "))
     assert argv[:2] == ["pagedserve", "serve"]
     args = vars(cli.build_parser().parse_args(argv[1:]))
@@ -163,11 +162,11 @@ def test_readme_kv_events_command_resolves_to_vllms_settings() -> None:
     assert config.engine.cache.block_size == 64 and config.server.metrics_names == "vllm"
 
 
-def test_readme_speculative_commands_resolve_to_vllms_settings() -> None:
-    """The README's two --speculative-config examples parse into the methods they name."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Speculative decoding\n") :]
-    (block,) = re.findall(r"```bash\n(.*?)```", section[: section.index("\n## ", 1)], re.S)
+def test_docs_speculative_commands_resolve_to_vllms_settings() -> None:
+    """The two --speculative-config examples of docs/speculative-decoding.md parse into the
+    methods they name."""
+    text = doc_section("Speculative decoding", page="speculative-decoding.md")
+    (block,) = code_blocks(text, "bash")
     methods = []
     for command in block.strip().splitlines():
         argv = shlex.split(command)
@@ -183,12 +182,10 @@ def test_readme_speculative_commands_resolve_to_vllms_settings() -> None:
 # --------------------------------------------------------------------------- the README, for real
 
 
-def _readme_blocks(language: str, marker: str) -> list[str]:
-    """The first examples of "Talking to the server" (its subsections have tests of their own)."""
-    text = (ROOT / "README.md").read_text()
-    text = text[text.index("## Talking to the server") :]
-    text = text[: text.index("\n### ")]
-    blocks = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+def _readme_blocks(language: str, marker: str, page: str = "README.md") -> list[str]:
+    """The examples of "Talking to the server" in the README, or of docs/openai-api.md."""
+    heading = "Talking to the server" if page == "README.md" else "The OpenAI API"
+    blocks = code_blocks(doc_section(heading, page), language)
     return [b for b in blocks if marker in b]
 
 
@@ -198,6 +195,9 @@ def test_readme_examples_run_against_pagedserve_serve(
     curls = _readme_blocks("bash", "curl ")
     snippets = _readme_blocks("python", "from openai import OpenAI")
     assert len(curls) == 2 and len(snippets) == 1
+    # The docs page opens with the same examples, so that what it shows is run here too.
+    assert _readme_blocks("bash", "curl ", "openai-api.md") == curls
+    assert _readme_blocks("python", "from openai import OpenAI", "openai-api.md")[:1] == snippets
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = Path(sys.executable).parent / "pagedserve"

@@ -157,16 +157,16 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
         text_only.generate(_prompt("hi <image>", [sample_image(1)]), GREEDY)
 
 
-def test_the_readme_example_runs(llava_dir: Path, tmp_path: Path) -> None:
+def test_the_docs_example_runs(llava_dir: Path, tmp_path: Path) -> None:
     from tests.support.readme import python_examples
 
-    example = python_examples("Image input")[0]  # the offline one
+    example = python_examples("Image input", page="image-input.md")[0]  # the offline one
     sample_image(3).save(tmp_path / "cat.png")
     source = example.replace("/models/llava", str(llava_dir)).replace(
         '"cat.png"', repr(str(tmp_path / "cat.png"))
     )
     scope: dict = {}
-    exec(source, scope)  # the README's own code
+    exec(source, scope)  # the docs page's own code
     (out,) = scope["out"]
     assert len(out.outputs[0].token_ids) == 32 and out.outputs[0].finish_reason == "length"
 

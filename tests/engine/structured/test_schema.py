@@ -22,7 +22,7 @@ from engine.structured import (
 )
 from engine.structured.schema import ANNOTATIONS, ENFORCED, FORMATS, REFUSED
 from tests.support.models import tokenizer_dir
-from tests.support.readme import README
+from tests.support.readme import section
 
 
 @pytest.fixture(scope="module")
@@ -477,9 +477,7 @@ def test_the_compiler_refuses_before_compiling_and_caches_nothing(
     assert params.key not in grammars._cache
 
 
-def test_the_readme_lists_what_is_enforced_and_what_is_refused() -> None:
-    text = README.read_text()
-    section = text[text.index("### Structured outputs, tools and reasoning\n") :]
-    section = section[: section.index("\n### ", 1)]
+def test_the_docs_list_what_is_enforced_and_what_is_refused() -> None:
+    page = section("Structured outputs, tools and reasoning", page="structured-outputs.md")
     for keyword in ENFORCED | set(REFUSED) | FORMATS | ANNOTATIONS | {"uniqueItems: true"}:
-        assert f"`{keyword}`" in section, keyword
+        assert f"`{keyword}`" in page, keyword

@@ -466,9 +466,9 @@ def test_x_api_key_is_the_key(keyed_server: RunningServer) -> None:
     assert refused.value.body["error"]["type"] == "authentication_error"
 
 
-def test_readme_messages_examples_run(server: RunningServer) -> None:
-    """The curl and `anthropic` SDK examples of the README's Messages section, as written."""
-    curl, snippet = section_examples("Anthropic Messages API")
+def test_docs_messages_examples_run(server: RunningServer) -> None:
+    """The curl and `anthropic` SDK examples of docs/anthropic.md, as written."""
+    curl, snippet = section_examples("Anthropic Messages API", page="anthropic.md")
     reply = json.loads(run_example(server.url, "bash", curl))
     assert reply["type"] == "message" and reply["content"][0]["text"].strip()
     name, rest = run_example(server.url, "python", snippet).split(maxsplit=1)

@@ -30,7 +30,7 @@ def test_serve_runner_pooling_serves_the_bundled_embedding_model(tmp_path: Path)
         refused = httpx.post(daemon.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert refused.status_code == 400
         assert "embeds" in assert_openai_error(refused.json())["message"]
-        curl, snippet = section_examples("Embeddings, score and rerank")
+        curl, snippet = section_examples("Embeddings, score and rerank", page="embeddings.md")
         assert run_example(daemon.url, "bash", curl).split() == [
             "1",
             "Photosynthesis",

@@ -520,14 +520,14 @@ def test_limit_mm_per_prompt_counts_the_whole_conversation(llava_engine: AsyncEn
             assert "--limit-mm-per-prompt" in error["message"]
 
 
-def test_the_readme_http_example_runs(
+def test_the_docs_http_example_runs(
     server: RunningServer, openai_client: Any, tmp_path: Path
 ) -> None:
-    """The README's "Image input" HTTP example, as written, against this server: chat and
-    Responses print the answers the client gets itself for the same image and text."""
+    """The "Image input" HTTP example (docs/image-input.md), as written, against this server: chat
+    and Responses print the answers the client gets itself for the same image and text."""
     from tests.support.readme import python_examples, run_example
 
-    _, example = python_examples("Image input")
+    _, example = python_examples("Image input", page="image-input.md")
     image = random_image(21)
     (tmp_path / "cat.png").write_bytes(png(image))
     source = example.replace('"cat.png"', repr(str(tmp_path / "cat.png")))

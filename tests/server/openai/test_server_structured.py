@@ -217,9 +217,11 @@ def test_a_keyword_the_grammar_would_not_enforce_is_a_400_naming_it(client: open
     jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
 
 
-def test_readme_structured_examples_run(server: RunningServer) -> None:
-    """The curl and SDK examples of the README's structured outputs section, as written."""
-    curl, snippet = section_examples("Structured outputs, tools and reasoning")
+def test_docs_structured_examples_run(server: RunningServer) -> None:
+    """The curl and SDK examples of docs/structured-outputs.md, as written."""
+    curl, snippet = section_examples(
+        "Structured outputs, tools and reasoning", page="structured-outputs.md"
+    )
     reply = json.loads(run_example(server.url, "bash", curl))
     person = json.loads(reply["choices"][0]["message"]["content"])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)

@@ -464,9 +464,9 @@ def test_truncation_auto_drops_the_oldest_turns(tiny_server: RunningServer) -> N
         assert cut.json()["truncation"] == "auto"
 
 
-def test_readme_responses_examples_run(server: RunningServer) -> None:
-    """The curl and Agents SDK examples of the README's Responses API section, as written."""
-    curl, snippet = section_examples("Responses API")
+def test_docs_responses_examples_run(server: RunningServer) -> None:
+    """The curl and Agents SDK examples of docs/responses.md, as written."""
+    curl, snippet = section_examples("Responses API", page="responses.md")
     reply = json.loads(run_example(server.url, "bash", curl))
     assert reply["object"] == "response" and reply["instructions"] == "Answer in one word."
     (message,) = reply["output"]
