@@ -67,7 +67,9 @@ class PoolBlockIO:
         caches = self._kv_caches()
         device = caches[0][0].device
         ids = torch.tensor(block_ids, device=device)
-        staged = torch.stack(blocks).to(device, non_blocking=True)
+        # Each block copied on the stream, never read by the CPU: a block stored by the step
+        # before may still be on its way into its pinned host tensor.
+        staged = torch.stack([block.to(device, non_blocking=True) for block in blocks])
         for layer, (k, v) in enumerate(caches):
             k.index_copy_(0, ids, staged[:, layer, 0])
             v.index_copy_(0, ids, staged[:, layer, 1])
