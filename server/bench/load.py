@@ -29,7 +29,7 @@ import httpx
 
 from server.bench.datasets import Conversation, chat_messages, completion_prompt, from_workload
 from server.bench.sse_stream import SSEClient
-from server.bench.stats import summarize
+from server.bench.stats import STANDARD_PERCENTILES, percentile_key, summarize
 from server.bench.workload import arrival_delays, make_workload, warmup_workload
 
 COMPLETIONS = "/v1/completions"
@@ -199,6 +199,7 @@ async def run_conversations(
     warmup: list[Conversation] | None = None,
     config: dict[str, Any] | None = None,
     keep_requests: bool = True,
+    percentiles: tuple[float, ...] = STANDARD_PERCENTILES,
 ) -> dict[str, Any]:
     """Send every conversation's turns and return the report (see `build_report`). `warmup`
     conversations' first turns go first, one at a time, unmeasured: first-call allocation and
@@ -279,7 +280,7 @@ async def run_conversations(
         "ignore_eos": settings.ignore_eos,
         "warmup": len(warmup or []),
     }
-    return build_report(flat, duration, report_config | (config or {}), keep_requests)
+    return build_report(flat, duration, report_config | (config or {}), keep_requests, percentiles)
 
 
 def _progress(total: int, shown: bool) -> Any:
@@ -328,7 +329,11 @@ async def run_load(
 
 
 def build_report(
-    results: list[RequestResult], duration: float, config: dict[str, Any], keep_requests: bool
+    results: list[RequestResult],
+    duration: float,
+    config: dict[str, Any],
+    keep_requests: bool,
+    percentiles: tuple[float, ...] = STANDARD_PERCENTILES,
 ) -> dict[str, Any]:
     good = [r for r in results if r.ok]
     input_tokens = sum(r.input_len for r in good)
@@ -355,10 +360,10 @@ def build_report(
         "request_throughput": per_second(len(good)),
         "output_throughput": per_second(output_tokens),
         "total_token_throughput": per_second(input_tokens + output_tokens),
-        "ttft": summarize([r.ttft for r in good if r.ttft is not None]),
-        "tpot": summarize([t for r in good if (t := r.tpot) is not None]),
-        "itl": summarize([gap for r in good for gap in r.itl]),
-        "e2e": summarize([r.e2e for r in good if r.e2e is not None]),
+        "ttft": summarize([r.ttft for r in good if r.ttft is not None], percentiles),
+        "tpot": summarize([t for r in good if (t := r.tpot) is not None], percentiles),
+        "itl": summarize([gap for r in good for gap in r.itl], percentiles),
+        "e2e": summarize([r.e2e for r in good if r.e2e is not None], percentiles),
     }
     if keep_requests:
         report["requests"] = [
@@ -376,8 +381,14 @@ METRIC_TITLES = {
 }
 
 
-def format_report(report: dict[str, Any], title: str = "") -> str:
-    """The report as a table: counts and throughputs, then each latency's mean, median, p99."""
+def format_report(
+    report: dict[str, Any],
+    title: str = "",
+    metrics: tuple[str, ...] = tuple(METRIC_TITLES),
+    percentiles: tuple[float, ...] = (99.0,),
+) -> str:
+    """The report as a table: counts and throughputs, then the mean, median and `percentiles`
+    of each of `metrics`."""
     c = report["config"]
     width = 52
 
@@ -407,14 +418,14 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
     ]
     if c.get("ignore_eos", True):
         lines.append(row("Output length mismatches:", report["length_mismatches"]))
-    for name, heading in METRIC_TITLES.items():
+    for name in metrics:
         s = report[name]
         lines += [
-            rule(heading, "-"),
+            rule(METRIC_TITLES[name], "-"),
             row(f"Mean {name.upper()} (ms):", s["mean_ms"]),
             row(f"Median {name.upper()} (ms):", s["p50_ms"]),
-            row(f"P99 {name.upper()} (ms):", s["p99_ms"]),
         ]
+        lines += [row(f"P{q:g} {name.upper()} (ms):", s[percentile_key(q)]) for q in percentiles]
     lines.append(rule("", "="))
     for error, count in report["errors"].items():
         lines.append(f"  {count} x {error}")

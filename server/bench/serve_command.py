@@ -38,6 +38,8 @@ from server.bench.load import (
 )
 
 BACKENDS = ("vllm", "openai", "openai-chat")
+# vLLM's metric names -> the report's keys.
+METRICS = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2el": "e2e"}
 DESCRIPTION = (
     "Load an OpenAI-compatible server with streamed requests and report TTFT, TPOT, ITL and "
     "end-to-end latency (mean, median, p99) and request and token throughput. Exits 1 when a "
@@ -131,9 +133,42 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="the JSON file's name in --result-dir (implies --save-result)",
     )
+    out.add_argument(
+        "--percentile-metrics",
+        type=metric_names,
+        default=tuple(METRICS.values()),
+        help="comma-separated metrics to show: ttft, tpot, itl, e2el [default: all four]",
+    )
+    out.add_argument(
+        "--metric-percentiles",
+        type=percentiles,
+        default=(99.0,),
+        help="comma-separated percentiles to show beside mean and median, e.g. 90,99 "
+        "(the JSON also has p50, p90 and p99) [default: 99]",
+    )
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.set_defaults(bench_main=main, bench_parser=parser)
     return parser
+
+
+def metric_names(text: str) -> tuple[str, ...]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METRICS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(METRICS)}, got {text!r}")
+    return tuple(METRICS[n] for n in names)
+
+
+def percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(q) for q in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers such as 90,99, got {text!r}") from None
+    if not all(0 < q < 100 for q in values):
+        raise argparse.ArgumentTypeError(
+            f"percentiles lie strictly between 0 and 100, got {text!r}"
+        )
+    return values
 
 
 def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -186,8 +221,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     conversations = build_dataset(args, tokenizer, as_text=settings.chat)
     warmup = build_warmup(args, tokenizer, settings.chat)
     config = dataset_config(args) | {"tokenizer": tokenizer_name if needs_tokenizer else None}
-    report = asyncio.run(run_conversations(conversations, settings, warmup, config))
-    print(format_report(report))
+    shown = args.metric_percentiles
+    report = asyncio.run(
+        run_conversations(conversations, settings, warmup, config, percentiles=shown)
+    )
+    print(format_report(report, metrics=args.percentile_metrics, percentiles=shown))
     if args.save_result or args.result_filename:
         path = args.result_dir / (args.result_filename or default_filename(settings.model))
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(values: list[float]) -> dict[str, float]:
-    """mean / p50 (the median) / p90 / p99 of seconds, in milliseconds; NaN when empty."""
+STANDARD_PERCENTILES = (50.0, 90.0, 99.0)
+
+
+def summarize(
+    values: list[float], percentiles: tuple[float, ...] = STANDARD_PERCENTILES
+) -> dict[str, float]:
+    """mean and each percentile (`p50_ms` is the median) of seconds, in milliseconds; NaN
+    when empty."""
     ms = [v * 1000.0 for v in values]
-    return {
-        "mean_ms": sum(ms) / len(ms) if ms else float("nan"),
-        "p50_ms": percentile(ms, 50),
-        "p90_ms": percentile(ms, 90),
-        "p99_ms": percentile(ms, 99),
-    }
+    summary = {"mean_ms": sum(ms) / len(ms) if ms else float("nan")}
+    for q in sorted(set(STANDARD_PERCENTILES) | set(percentiles)):
+        summary[percentile_key(q)] = percentile(ms, q)
+    return summary
+
+
+def percentile_key(q: float) -> str:
+    return f"p{q:g}_ms"

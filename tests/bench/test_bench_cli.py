@@ -35,6 +35,7 @@ def test_vllm_flag_names_are_taken() -> None:
             "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.5",
             "--num-prompts", "3", "--max-concurrency", "2", "--request-rate", "4", "--seed", "5",
             "--ignore-eos", "--save-result", "--result-filename", "r.json",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "90,99.9",
         )
     )  # fmt: skip
     assert (args.model, args.base_url, args.endpoint) == (
@@ -46,6 +47,7 @@ def test_vllm_flag_names_are_taken() -> None:
     assert (args.num_prompts, args.max_concurrency, args.request_rate, args.seed) == (3, 2, 4.0, 5)
     assert args.ignore_eos and args.save_result and args.result_filename == "r.json"
     assert args.disable_tqdm and args.backend == "openai-chat"
+    assert (args.percentile_metrics, args.metric_percentiles) == (("ttft", "e2e"), (90.0, 99.9))
 
     defaults = build_parser().parse_args(["bench", "serve"])
     assert math.isinf(defaults.request_rate) and defaults.max_concurrency is None
@@ -81,6 +83,8 @@ def test_vllm_flag_names_are_taken() -> None:
         (["--dataset-path", "p.jsonl"], "--dataset-path is read only with --dataset-name custom"),
         (["--endpoint", "/v1/embeddings"], "--endpoint must be a path ending in completions"),
         (["--base-url", "https://example.com"], "--base-url must be an http:// URL"),
+        (["--percentile-metrics", "ttft,latency"], "expected some of ttft, tpot, itl, e2el"),
+        (["--metric-percentiles", "50,100"], "strictly between 0 and 100, got '50,100'"),
         (["--backend", "openai-chat"], "--backend openai-chat does not speak --endpoint /v1/comp"),
         (["--backend", "vllm", "--endpoint", "/v1/chat/completions"], "does not speak"),
     ],
@@ -142,12 +146,13 @@ def test_bench_serve_counts_exactly_and_its_latencies_agree(
         _bench_serve(
             "--base-url", server.url, "--num-prompts", "5", "--random-input-len", "12",
             "--random-output-len", "6", "--max-concurrency", "2", "--ignore-eos",
-            "--result-dir", str(tmp_path / "out"), "--result-filename", "serve.json",
+            "--metric-percentiles", "90,99", "--result-dir", str(tmp_path / "out"), "--result-filename", "serve.json",
         ),
         capsys,
     )  # fmt: skip
     assert code == 0
-    assert "Successful requests:" in out and "Median TTFT (ms):" in out
+    for line in ("Successful requests:", "Median TTFT (ms):", "P90 ITL (ms):", "P99 E2E (ms):"):
+        assert line in out
     report = json.loads(result.read_text())
     assert (report["completed"], report["failed"], report["errors"]) == (5, 0, {})
     assert report["config"]["model"] == "SmolLM2-135M-Instruct"
@@ -162,7 +167,7 @@ def test_bench_serve_counts_exactly_and_its_latencies_agree(
         assert row["tpot"] == pytest.approx((row["e2e"] - row["ttft"]) / 5)
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = report[name]
-        assert 0 < s["p50_ms"] <= s["p99_ms"], name
+        assert 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"], name
     assert report["ttft"]["mean_ms"] <= report["e2e"]["mean_ms"]
     assert report["itl"]["p99_ms"] <= report["e2e"]["p99_ms"]
 
