@@ -53,6 +53,18 @@ def qwen3_dir(tmp_path_factory) -> Path:
     return build_random_model(tmp_path_factory.mktemp("qwen3"), "qwen3", "qwen")
 
 
+SMALL_VOCAB = 8192
+
+
+@pytest.fixture(scope="session")
+def small_vocab_qwen3_dir(tmp_path_factory) -> Path:
+    """qwen3_dir with its tokenizer's first 8,192 ids only, for tests whose prompts are ids below
+    that and that need no special token (no chat template, no EOS): the full vocabulary's
+    embedding, head and per-step logits would cost more than the layers they test."""
+    folder = tmp_path_factory.mktemp("qwen3-small-vocab")
+    return build_random_model(folder, "qwen3", "qwen", vocab_size=SMALL_VOCAB)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the cache directory."""

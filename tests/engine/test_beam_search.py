@@ -13,6 +13,7 @@ from engine import LLM, BeamSearchParams, SamplingParams
 from engine.core.beam_search import length_divisor
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
+from tests.conftest import SMALL_VOCAB
 from tests.support.models import build_random_model, hf_beams, hf_greedy
 
 BLOCK = 16
@@ -75,26 +76,18 @@ SETTINGS = [
 ]
 
 
-# The suite's Qwen3 and Llama models, each with its tokenizer's first 8,192 ids only: the prompts
-# draw from 100-4999, and every beam step ranks the whole vocabulary for every beam (here and in
-# transformers), so the real tokenizers' 150k and 128k ids would cost far more than the layers.
-VOCAB = 8192
-
-
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("qwen3"), "qwen3", "qwen", vocab_size=VOCAB)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def small_vocab_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama_dir with its tokenizer's first 8,192 ids, as small_vocab_qwen3_dir: the prompts draw
+    from 100-4999, and every beam step ranks the whole vocabulary for every beam (here and in
+    transformers), so the real tokenizers' 150k and 128k ids would cost more than the layers."""
     folder = tmp_path_factory.mktemp("llama")
-    return build_random_model(folder, "llama", "llama", shard=True, vocab_size=VOCAB)
+    return build_random_model(folder, "llama", "llama", shard=True, vocab_size=SMALL_VOCAB)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def model(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(f"{request.param}_dir")
+    return request.getfixturevalue(f"small_vocab_{request.param}_dir")
 
 
 @pytest.fixture(scope="module")
@@ -215,14 +208,16 @@ def test_prefix_cache_serves_the_prompt_and_changes_nothing(llm: LLM, model: Pat
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_preempted_beams_recompute_to_the_same_result(qwen3_dir: Path, caching: bool) -> None:
+def test_preempted_beams_recompute_to_the_same_result(
+    small_vocab_qwen3_dir: Path, caching: bool
+) -> None:
     """Three searches and two greedy requests in a pool that holds one search at full length
     unshared: beams are preempted and recomputed, and every result is still transformers'."""
     block, k = 4, 4
     prompts = [random_prompt(21, seed=200 + i) for i in range(3)]
     num_blocks = k * -(-(21 + MAX_NEW) // block)  # the least the admission check accepts
     llm = LLM(
-        model=str(qwen3_dir),
+        model=str(small_vocab_qwen3_dir),
         block_size=block,
         num_kv_blocks=num_blocks,
         max_model_len=64,
@@ -243,22 +238,25 @@ def test_preempted_beams_recompute_to_the_same_result(qwen3_dir: Path, caching: 
     stats = engine.take_stats()
     assert stats.num_preemptions > 0, "the pool was not short: nothing was preempted"
     for request_id, prompt in zip(ids, prompts):
-        expected = hf_beams(qwen3_dir, prompt, k, MAX_NEW, length_penalty=0.7)
+        expected = hf_beams(small_vocab_qwen3_dir, prompt, k, MAX_NEW, length_penalty=0.7)
         assert [o.token_ids for o in final[request_id].outputs] == [t for t, _ in expected]
         for o, (tokens, score) in zip(final[request_id].outputs, expected):
             assert o.cumulative_logprob == pytest.approx(score * len(tokens) ** 0.7, abs=1e-3)
     for request_id, prompt in zip(greedy_ids, prompts):
-        assert final[request_id].outputs[0].token_ids == hf_greedy(qwen3_dir, [prompt], MAX_NEW)[0]
+        assert (
+            final[request_id].outputs[0].token_ids
+            == hf_greedy(small_vocab_qwen3_dir, [prompt], MAX_NEW)[0]
+        )
     assert_all_blocks_free(llm, num_blocks)
 
 
-def test_beams_hold_the_prompts_full_blocks_once(qwen3_dir: Path) -> None:
+def test_beams_hold_the_prompts_full_blocks_once(small_vocab_qwen3_dir: Path) -> None:
     """k beams over a 600-token prompt: its 37 full blocks are in the pool once, shared by
     every beam (ref count k), not k times; pruned beams give theirs back at once."""
     k, prompt_len, max_new = 4, 600, 24
     full = prompt_len // BLOCK  # 37 full blocks, then 8 tokens in a partial one
     llm = LLM(
-        model=str(qwen3_dir),
+        model=str(small_vocab_qwen3_dir),
         block_size=BLOCK,
         num_kv_blocks=NUM_BLOCKS,
         max_model_len=1024,
@@ -301,8 +299,10 @@ def test_beams_hold_the_prompts_full_blocks_once(qwen3_dir: Path) -> None:
     assert_all_blocks_free(llm)
 
 
-def test_abort_frees_every_beam(qwen3_dir: Path) -> None:
-    llm = LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256)
+def test_abort_frees_every_beam(small_vocab_qwen3_dir: Path) -> None:
+    llm = LLM(
+        model=str(small_vocab_qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256
+    )
     engine = llm.engine
     request_id = engine.add_request(
         random_prompt(40, seed=5), BeamSearchParams(4, 50, ignore_eos=True).to_sampling_params()
@@ -331,9 +331,15 @@ def test_abort_frees_every_beam(qwen3_dir: Path) -> None:
         ({"length_penalty": float("-inf")}, "length_penalty"),
     ],
 )
-def test_bad_beam_requests_name_the_field(qwen3_dir: Path, params: dict, field: str) -> None:
+def test_bad_beam_requests_name_the_field(
+    small_vocab_qwen3_dir: Path, params: dict, field: str
+) -> None:
     llm = LLM(
-        model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256, max_num_seqs=64
+        model=str(small_vocab_qwen3_dir),
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_seqs=64,
     )
     base = {"n": 2, "use_beam_search": True, "temperature": 0.0, "max_tokens": 20}
     with pytest.raises(InvalidRequestError) as err:
@@ -343,25 +349,29 @@ def test_bad_beam_requests_name_the_field(qwen3_dir: Path, params: dict, field: 
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_every_attention_backend_reads_the_copied_blocks(qwen3_dir: Path, backend: str) -> None:
+def test_every_attention_backend_reads_the_copied_blocks(
+    small_vocab_qwen3_dir: Path, backend: str
+) -> None:
     """The beams' shared partial prompt block (21 tokens: 16 + 5) is copied on the first
     divergent write, before the step's forward pass, whatever backend then reads it."""
     llm = LLM(
-        model=str(qwen3_dir),
+        model=str(small_vocab_qwen3_dir),
         block_size=BLOCK,
         num_kv_blocks=64,
         max_model_len=128,
         attention_backend=backend,
     )
     params = BeamSearchParams(4, 6, ignore_eos=True, length_penalty=0.5)
-    assert_equals_transformers(llm, qwen3_dir, random_prompt(21, seed=21), params)
+    assert_equals_transformers(llm, small_vocab_qwen3_dir, random_prompt(21, seed=21), params)
     assert_all_blocks_free(llm, 64)
 
 
-def test_beams_and_samples_in_one_batch(qwen3_dir: Path) -> None:
+def test_beams_and_samples_in_one_batch(small_vocab_qwen3_dir: Path) -> None:
     """Ordinary requests that finish mid-search, in the steps the beams step in, leave the
     search alone, and the search leaves their tokens alone."""
-    llm = LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(
+        model=str(small_vocab_qwen3_dir), block_size=BLOCK, num_kv_blocks=128, max_model_len=256
+    )
     engine = llm.engine
     prompt = random_prompt(25, seed=9)
     beam_id = engine.add_request(
@@ -376,20 +386,24 @@ def test_beams_and_samples_in_one_batch(qwen3_dir: Path) -> None:
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
+    expected = hf_beams(small_vocab_qwen3_dir, prompt, 4, MAX_NEW)
     assert [o.token_ids for o in final[beam_id].outputs] == [t for t, _ in expected]
-    greedy = hf_greedy(qwen3_dir, [prompt], 5)[0]
+    greedy = hf_greedy(small_vocab_qwen3_dir, [prompt], 5)[0]
     for request_id, n in zip(short, (1, 2, 5)):
         assert final[request_id].outputs[0].token_ids == greedy[:n]
     assert_all_blocks_free(llm, 128)
 
 
-def test_searches_keep_within_max_num_seqs(qwen3_dir: Path) -> None:
+def test_searches_keep_within_max_num_seqs(small_vocab_qwen3_dir: Path) -> None:
     """A search admitted with one sequence forks up to its width: those seats are reserved, so
     two width-4 searches under --max-num-seqs 4 run one after the other, never 8 at once, and
     both still equal transformers."""
     llm = LLM(
-        model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=128, max_model_len=256, max_num_seqs=4
+        model=str(small_vocab_qwen3_dir),
+        block_size=BLOCK,
+        num_kv_blocks=128,
+        max_model_len=256,
+        max_num_seqs=4,
     )
     engine = llm.engine
     prompts = [random_prompt(20, seed=11), random_prompt(30, seed=12)]
@@ -407,15 +421,17 @@ def test_searches_keep_within_max_num_seqs(qwen3_dir: Path) -> None:
     # Each live beam generates a token a step: the root alone first, then all four.
     assert engine.take_stats().generation_tokens == 2 * (1 + 4 * (MAX_NEW - 1))
     for request_id, prompt in zip(ids, prompts):
-        expected = hf_beams(qwen3_dir, prompt, 4, MAX_NEW)
+        expected = hf_beams(small_vocab_qwen3_dir, prompt, 4, MAX_NEW)
         assert [o.token_ids for o in final[request_id].outputs] == [t for t, _ in expected]
     assert_all_blocks_free(llm, 128)
 
 
-def test_a_search_says_it_started_at_its_first_step(qwen3_dir: Path) -> None:
+def test_a_search_says_it_started_at_its_first_step(small_vocab_qwen3_dir: Path) -> None:
     """The step of its first token hands back an output of no choices, not finished (what ends
     a request's wait in the server's admission queue); the answer comes once, at the end."""
-    llm = LLM(model=str(qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(
+        model=str(small_vocab_qwen3_dir), block_size=BLOCK, num_kv_blocks=64, max_model_len=256
+    )
     engine = llm.engine
     request_id = engine.add_request(
         random_prompt(20, seed=13), BeamSearchParams(2, 5, ignore_eos=True).to_sampling_params()

@@ -59,12 +59,14 @@ def assert_released(threads: int) -> None:
     assert torch.get_num_threads() == threads  # rank 0's share of the cores given back
 
 
-def test_a_dropped_or_closed_tensor_parallel_llm_stops_its_workers(qwen3_dir: Path) -> None:
+def test_a_dropped_or_closed_tensor_parallel_llm_stops_its_workers(
+    small_vocab_qwen3_dir: Path,
+) -> None:
     """Dropped, then closed by its `with` block, then closed twice: each time its worker exits
     and the next tensor-parallel LLM starts and gives the first one's tokens (one test, so that
     three engines start rather than four: each start spawns a worker that imports torch)."""
     threads = torch.get_num_threads()
-    llm = LLM(str(qwen3_dir), tensor_parallel_size=2, **SETTINGS)
+    llm = LLM(str(small_vocab_qwen3_dir), tensor_parallel_size=2, **SETTINGS)
     first = greedy_tokens(llm)
     [worker] = workers()
     engine, executor = weakref.ref(llm.engine), weakref.ref(llm.engine.executor)
@@ -77,13 +79,13 @@ def test_a_dropped_or_closed_tensor_parallel_llm_stops_its_workers(qwen3_dir: Pa
     assert worker.exitcode == 0  # told to stop, not killed
     assert_released(threads)
 
-    with LLM(str(qwen3_dir), tensor_parallel_size=2, **SETTINGS) as second:
+    with LLM(str(small_vocab_qwen3_dir), tensor_parallel_size=2, **SETTINGS) as second:
         assert greedy_tokens(second) == first
         [worker] = workers()
         # The process group is one per process: a second one is refused while this one is open,
         # before it starts a worker that would wait for a group that never forms.
         with pytest.raises(ModelLoadError, match="close the other tensor-parallel engine"):
-            LLM(str(qwen3_dir), tensor_parallel_size=2, **SETTINGS)
+            LLM(str(small_vocab_qwen3_dir), tensor_parallel_size=2, **SETTINGS)
         assert workers() == [worker]
 
     assert exited(worker.pid) and worker.exitcode == 0  # close() waited for it
@@ -92,7 +94,7 @@ def test_a_dropped_or_closed_tensor_parallel_llm_stops_its_workers(qwen3_dir: Pa
     with pytest.raises(WorkerDiedError, match="closed"):
         second.generate(PROMPTS, GREEDY)
 
-    third = LLM(str(qwen3_dir), tensor_parallel_size=2, **SETTINGS)
+    third = LLM(str(small_vocab_qwen3_dir), tensor_parallel_size=2, **SETTINGS)
     assert greedy_tokens(third) == first
     third.close()
     third.close()
@@ -100,9 +102,9 @@ def test_a_dropped_or_closed_tensor_parallel_llm_stops_its_workers(qwen3_dir: Pa
     assert_released(threads)
 
 
-def test_a_dropped_single_process_llm_is_freed_at_once(qwen3_dir: Path) -> None:
+def test_a_dropped_single_process_llm_is_freed_at_once(small_vocab_qwen3_dir: Path) -> None:
     before = set(threading.enumerate())
-    llm = LLM(str(qwen3_dir), **SETTINGS)
+    llm = LLM(str(small_vocab_qwen3_dir), **SETTINGS)
     first = greedy_tokens(llm)
     engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.executor.runner.model)
     assert set(threading.enumerate()) == before  # it starts no thread of its own
@@ -110,5 +112,5 @@ def test_a_dropped_single_process_llm_is_freed_at_once(qwen3_dir: Path) -> None:
     del llm  # no reference cycle: reference counting alone frees it, weights included
     assert engine() is None and model() is None
 
-    with LLM(str(qwen3_dir), **SETTINGS) as second:
+    with LLM(str(small_vocab_qwen3_dir), **SETTINGS) as second:
         assert greedy_tokens(second) == first

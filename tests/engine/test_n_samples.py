@@ -18,9 +18,9 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def llm(qwen3_dir: Path) -> LLM:
+def llm(small_vocab_qwen3_dir: Path) -> LLM:
     return LLM(
-        model=str(qwen3_dir),
+        model=str(small_vocab_qwen3_dir),
         block_size=BLOCK,
         num_kv_blocks=NUM_BLOCKS,
         max_model_len=256,
@@ -41,7 +41,9 @@ def assert_all_blocks_free(llm: LLM) -> None:
     kv.check_consistency()
 
 
-def test_greedy_samples_all_equal_the_single_greedy_output(llm: LLM, qwen3_dir: Path) -> None:
+def test_greedy_samples_all_equal_the_single_greedy_output(
+    llm: LLM, small_vocab_qwen3_dir: Path
+) -> None:
     prompt = random_prompt(2 * BLOCK + 5, seed=1)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (single,) = llm.generate(prompt, greedy)
@@ -49,7 +51,7 @@ def test_greedy_samples_all_equal_the_single_greedy_output(llm: LLM, qwen3_dir: 
         prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
     )
 
-    expected = hf_greedy(qwen3_dir, [prompt], 8)[0]
+    expected = hf_greedy(small_vocab_qwen3_dir, [prompt], 8)[0]
     assert single.outputs[0].token_ids == expected
     assert [o.index for o in multi.outputs] == [0, 1, 2]
     for out in multi.outputs:
