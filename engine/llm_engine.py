@@ -123,6 +123,8 @@ class LLMEngine:
         except BaseException:
             if self.kv_events is not None:
                 self.kv_events.close()  # its thread frees the port as it ends
+            if self.offload is not None:
+                self.offload.close()
             raise
 
     def _start(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_offload.block_io import PoolBlockIO
+from engine.kv_offload.block_io import PoolBlockIO, StoredBlocks
 from engine.kv_offload.disk_tier import DiskTier
 from engine.kv_offload.disk_writer import DiskWriter
 from engine.kv_offload.host_tier import HostTier
@@ -98,9 +98,8 @@ class KVOffloadConnector:
             new = [(k, b) for k, b in zip(keys, stored.blocks) if k not in self.disk]
             if new:
                 dropped = self._writer.num_dropped
-                self._writer.submit(
-                    [k for k, _ in new], type(stored)([b for _, b in new], stored.wait)
-                )
+                handed = StoredBlocks([b for _, b in new], stored.wait)
+                self._writer.submit([k for k, _ in new], handed)
                 self._stored["disk"] += size * (len(new) - (self._writer.num_dropped - dropped))
 
     def take_stats(self) -> KVOffloadStats:
