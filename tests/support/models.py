@@ -38,6 +38,15 @@ def base_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir(name))
 
 
+@cache
+def folder_tokenizer(folder: Path):
+    """The tokenizer saved in a model folder, read once a process (as `base_tokenizer`); for
+    tests that only encode and decode with it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.distributed.shard import check_shardable
 from engine.errors import ModelLoadError
 from engine.loading.resolve import load_hf_config
 from engine.models.registry import describe
-from tests.support.models import build_random_model, greedy_batched_of
+from tests.support.models import build_random_model, folder_tokenizer, greedy_batched_of
 from tests.support.prompts import cut_prompts, shared_prefix_prompts
 
 MAX_NEW = 16
@@ -75,7 +75,7 @@ def oracle(folder: Path, prompt_set: str):
     """(prompts, transformers' greedy tokens, the logprob of each of those tokens)."""
     key = (folder, prompt_set)
     if key not in _oracle:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = folder_tokenizer(folder)
         prompts = cut_prompts(tok) if prompt_set == "varied" else shared_prefix_prompts(tok)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         # One left-padded batch: the same tokens as one prompt at a time for every model here.

@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.support.models import hf_greedy_batched
+from tests.support.models import folder_tokenizer, hf_greedy_batched
 from tests.support.prompts import cut_prompts, shared_prefix_prompts
 
 MAX_NEW = 32
@@ -44,7 +43,7 @@ def oracle(model_dir: Path, prompt_set: str) -> tuple[list[list[int]], list[list
     """Prompts and transformers' greedy continuations, computed once per model and prompt set."""
     key = (str(model_dir), prompt_set)
     if key not in _oracle:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = folder_tokenizer(model_dir)
         prompts = (
             cut_prompts(tokenizer) if prompt_set == "varied" else shared_prefix_prompts(tokenizer)
         )

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes, pad_decode
 from engine.worker.model_input import HostBatch
+from tests.support.models import folder_tokenizer
 from tests.support.prompts import shared_prefix_prompts
 
 
@@ -55,7 +55,7 @@ def test_padded_decode_steps_give_the_same_tokens(
     """Chunked, preempted and prefix-cached (as tests/kernels/attention/test_triton_kernels.py runs them), with
     every decode step padded: 5 requests, so steps of 5, 4, 3... rows run as 6, 4, 4, ..."""
     model_dir = request.getfixturevalue(model_fixture)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = folder_tokenizer(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:5]
     # The chosen tokens' logprobs too: greedy tokens of a small random model barely depend on
     # attention, its logprobs do (decode rows at position 0 would still pick the same tokens).

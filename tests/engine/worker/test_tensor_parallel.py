@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from engine import LLM, ModelLoadError, SamplingParams
 from engine.distributed.shard import Shard
 from engine.worker.model_input import HostBatch
-from tests.support.models import build_random_model
+from tests.support.models import build_random_model, folder_tokenizer
 from tests.support.prompts import cut_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
@@ -53,7 +52,7 @@ def run(
     runs one worker process per rank past the first, and closing it stops them (told to stop,
     not killed) and leaves the process group."""
     kwargs, prompt_set = REGIMES[regime]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = folder_tokenizer(model_dir)
     prompts = cut_prompts(tokenizer) if prompt_set == "varied" else shared_prefix_prompts(tokenizer)
     with LLM(
         str(model_dir), max_num_seqs=8, tensor_parallel_size=tensor_parallel_size, **kwargs

@@ -21,13 +21,13 @@ if (
         raise RuntimeError("triton is not installed: pip install -e '.[dev]'")
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from kernels.attention.triton_backend import TritonBackend
 from kernels.kv_store import store_kv as torch_store_kv
 from kernels.triton.store_kv import store_kv as triton_store_kv
 from tests.support.attention_cases import check_against_reference
+from tests.support.models import folder_tokenizer
 from tests.support.prompts import shared_prefix_prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,7 +93,7 @@ def test_engine_greedy_tokens_equal_with_the_triton_backend(model_fixture: str, 
     """Chunked (a 24-token budget), preempted (12 blocks of 16) and prefix-cached, as the
     torch backend runs it: head dims 16 (Llama) and 32 (Qwen3)."""
     model_dir = request.getfixturevalue(model_fixture)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = folder_tokenizer(model_dir)
     # Four prompts of 5 blocks each already overflow the 12-block pool: preemption, chunks and
     # prefix hits as with more, each one a slow interpreted step fewer.
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:4]

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from kernels.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, CpuPagedBackend
@@ -24,7 +23,7 @@ from tests.support.attention_cases import (
     naive_attention,
     random_step,
 )
-from tests.support.models import hf_greedy
+from tests.support.models import folder_tokenizer, hf_greedy
 from tests.support.prompts import shared_prefix_prompts
 
 # Contexts long enough for many 16-key chunks and several blocks of 128.
@@ -209,7 +208,7 @@ def test_engine_greedy_tokens_equal_the_reference_backend_and_transformers(
     """Chunked, preempted (12 blocks of 16) and prefix-cached; the longest prompt first, so that
     its first chunk is a fresh one."""
     model_dir = request.getfixturevalue(model_fixture)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = folder_tokenizer(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=prefix_len)][5::-1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     settings = {

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.worker.cpu.layer_stack import stack_cpu_layers
 from engine.worker.model_input import HostBatch
-from tests.support.models import build_random_model
+from tests.support.models import build_random_model, folder_tokenizer
 from tests.support.prompts import shared_prefix_prompts
 
 # Small steps (chunks after cached context), a prefix cache to hit, long enough for decode.
@@ -46,7 +45,7 @@ def test_generation_equals_python_layers(model_fixture: str, dtype: str, request
     a prefix (cached blocks), chunked prefill through the paged kernel and SDPA (bf16 where torch's
     micro-kernel runs: the prefill kernel), then decode."""
     model_dir: Path = request.getfixturevalue(model_fixture)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = folder_tokenizer(model_dir)
     prompts = [p[:70] for p in shared_prefix_prompts(tokenizer, prefix_len=40)][:4]
     prompts.append(prompts[0][:5])  # short enough for the kernel's prefill path
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
