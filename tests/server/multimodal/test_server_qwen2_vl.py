@@ -13,10 +13,14 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer
 
 from config import ServerConfig
-from tests.support.qwen2_vl_models import build_qwen_vl, hf_qwen_vl_greedy, random_image
+from tests.support.qwen2_vl_models import (
+    build_qwen_vl,
+    hf_qwen_vl_greedy,
+    random_image,
+    reference_processor,
+)
 from tests.support.server_harness import RunningServer, start_engine
 
 MODEL = "tiny-qwen2-vl"
@@ -77,7 +81,7 @@ def test_images_in_two_turns_answer_as_transformers(client: Any, folder: Path) -
         extra_body={"ignore_eos": True},
     )
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = reference_processor(folder).tokenizer  # the one the oracle below reads
     rendered = [
         {
             "role": role,
