@@ -19,7 +19,7 @@ evicted from the pool, and only a tier can give it back.
 TTFT is the mean over the revisits (turns 2 and later); the hit rate is the tier's tokens found
 over the tokens asked. Then the write-through's cost: output tok/s of `--overhead-requests`
 requests of distinct random prompts (128 in, 64 out, all at once), without and with both tiers
-(host and disk), rounds alternating which runs first.
+(host and disk), on a new engine per arm and round, rounds alternating which is built first.
 """
 
 from __future__ import annotations
@@ -119,36 +119,34 @@ def revisits(args: argparse.Namespace, work: list[list[list[int]]], arm: str, di
 def write_through_cost(
     args: argparse.Namespace, vocab: int, dirs: Path
 ) -> list[tuple[float, float]]:
-    """(none, tiers) output tok/s per round on prompts that share nothing."""
+    """(none, tiers) output tok/s per round on prompts that share nothing. Each arm gets an
+    engine of its own each round, built in alternating order: the second of two engines built
+    in one process ran slower whichever arm it was."""
     rng = random.Random(args.seed + 1)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     settings = {"dtype": args.dtype, "max_model_len": 256, "max_num_seqs": args.overhead_requests}
-    llms = {
-        "none": LLM(args.model, **settings),
-        "tiers": LLM(
-            args.model,
-            kv_offloading_size=1.0,
-            kv_offloading_disk_dir=str(dirs / "overhead"),
-            kv_offloading_disk_size=4.0,
-            **settings,
-        ),
+    tiers = {
+        "kv_offloading_size": 1.0,
+        "kv_offloading_disk_dir": str(dirs / "overhead"),
+        "kv_offloading_disk_size": 4.0,
     }
     rounds = []
-    for r in range(args.rounds + 1):  # round 0 warms both up
+    for r in range(args.rounds):
         rates = {}
         for name in ("none", "tiers") if r % 2 else ("tiers", "none"):
+            llm = LLM(args.model, **settings, **(tiers if name == "tiers" else {}))
+            llm.generate([[100 + i for i in range(32)]], params)  # first-call costs
             prompts = [
                 [rng.randrange(100, vocab - 100) for _ in range(128)]
                 for _ in range(args.overhead_requests)
             ]
             start = time.perf_counter()
-            outs = llms[name].generate(prompts, params)
+            outs = llm.generate(prompts, params)
             seconds = time.perf_counter() - start
             rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-        if r:
-            rounds.append((rates["none"], rates["tiers"]))
-    for llm in llms.values():
-        llm.close()
+            llm.close()
+            del llm
+        rounds.append((rates["none"], rates["tiers"]))
     return rounds
 
 
