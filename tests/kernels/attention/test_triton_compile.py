@@ -136,7 +136,7 @@ def outcome(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         callspec = getattr(item, "callspec", None)
         if callspec is not None and isinstance(callspec.params.get("case"), Case):
             selected.append(callspec.params["case"])
-    # Compiled kernels are kept between runs (~25 MB), beside the converted default model: an
+    # Compiled kernels are kept between runs (~40 MB), beside the converted default model: an
     # unchanged kernel is read back, a changed one compiles again (see `compile_cases`).
     cache = default_cache_dir() / "triton-compile"
     return compile_cases(selected, [UNBUILDABLE], tmp_path_factory.mktemp("triton-compile"), cache)
