@@ -63,6 +63,18 @@ class KVOffloadConfig(BaseModel):
         return self.kv_offloading_size is not None or self.kv_offloading_disk_dir is not None
 
     @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers configured, by the names their metrics carry."""
+        return tuple(
+            name
+            for name, on in (
+                ("host", self.kv_offloading_size is not None),
+                ("disk", self.kv_offloading_disk_dir is not None),
+            )
+            if on
+        )
+
+    @property
     def host_bytes(self) -> int:
         return int((self.kv_offloading_size or 0) * GIB)
 

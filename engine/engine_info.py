@@ -33,6 +33,7 @@ class EngineInfo:
     num_speculative_tokens: int | None = None
     # The model reads images in its prompts (a vision-language model).
     accepts_images: bool = False
+    kv_offload_tiers: tuple[str, ...] = ()  # the KV offload tiers on: 'host', 'disk'
 
     @property
     def runner(self) -> str:

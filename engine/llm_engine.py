@@ -182,6 +182,7 @@ class LLMEngine:
             max_loras=max_loras,
             num_speculative_tokens=drafting.num_speculative_tokens if drafting else None,
             accepts_images=spec.multimodal,
+            kv_offload_tiers=config.kv_offload.tiers,
         )
         if drafting is not None and self.pooler is not None:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")

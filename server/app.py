@@ -85,6 +85,7 @@ def attach_metrics(engine: EngineClient, config: ServerConfig) -> EngineMetrics:
         info.max_loras,
         info.num_speculative_tokens,
         info.accepts_images,
+        info.kv_offload_tiers,
     )
     engine.on_stats = metrics.record
     return metrics

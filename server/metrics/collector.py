@@ -120,10 +120,12 @@ class EngineMetrics:
         max_loras: int | None = None,
         num_speculative_tokens: int | None = None,
         images: bool = False,
+        kv_offload_tiers: tuple[str, ...] = (),
     ) -> None:
         """`max_loras`: the LoRA slots, when LoRA is on (its metrics exist only then);
         `num_speculative_tokens`: the tokens guessed per step, when speculation is on (ditto);
-        `images`: the model reads images (ditto for the image metrics)."""
+        `images`: the model reads images (ditto for the image metrics); `kv_offload_tiers`: the KV
+        offload tiers on, 'host' and/or 'disk' (ditto for theirs)."""
         self.registry = registry
         names = names or MetricNames()
         fixed = names.labels
@@ -221,9 +223,12 @@ class EngineMetrics:
         if num_speculative_tokens is not None:
             self.spec_decode = SpecDecodeMetrics(registry, names, num_speculative_tokens, labels, m)
         self.multimodal = MultiModalMetrics(registry, names, labels, m) if images else None
-        # Made with the first stats that carry tier figures: none without the tiers.
-        self.kv_offload: KVOffloadMetrics | None = None
-        self._series = (names, labels, m)
+        # From start-up, at 0: a rate() over the first traffic then sees all of it.
+        self.kv_offload = (
+            KVOffloadMetrics(registry, names, labels, m, kv_offload_tiers)
+            if kv_offload_tiers
+            else None
+        )
 
     def reject(self, reason: str) -> None:
         """Called on the event loop when the admission gate refuses or drops a request."""
@@ -255,8 +260,6 @@ class EngineMetrics:
             self.spec_decode.record(stats.spec_decode)
         if self.multimodal is not None:
             self.multimodal.record(stats)
-        if stats.kv_offload is not None and self.kv_offload is None:
-            self.kv_offload = KVOffloadMetrics(self.registry, *self._series)
         if self.kv_offload is not None:
             self.kv_offload.record(stats)
         for done in stats.finished:

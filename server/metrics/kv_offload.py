@@ -1,7 +1,7 @@
 """KV offload tier metrics, from the engine's stats: the tiers' prefix lookups in tokens (vLLM's
 `external_prefix_cache_queries` / `external_prefix_cache_hits`, its KV connector's counters),
-bytes copied into and out of each tier, and each tier's use and capacity. They are created
-with the first stats that carry tier figures, so an engine without tiers publishes none."""
+bytes copied into and out of each tier, and each tier's use and capacity. They exist from
+start-up, at 0, on a server with tiers, and not at all on one without."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ class KVOffloadMetrics:
         names: MetricNames,
         labels: list[str],
         values: tuple[str, ...],
+        tiers: tuple[str, ...],
     ) -> None:
-        """`labels` / `values`: the label names and values every series of the server carries."""
+        """`labels` / `values`: the label names and values every series of the server carries;
+        `tiers`: the tiers on, whose byte counters start at 0."""
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(names.name(name), doc, [*labels, *extra], registry=registry)
@@ -42,6 +44,9 @@ class KVOffloadMetrics:
             "Bytes copied into a KV offload tier (store) or out of it into the pool (load).",
             ("direction", "tier"),
         )
+        for direction in DIRECTIONS:
+            for tier in tiers:
+                self.bytes.labels(*values, direction, tier)
         self.used = gauge("kv_offload_used_bytes", "Bytes a KV offload tier holds.")
         self.capacity = gauge("kv_offload_capacity_bytes", "A KV offload tier's budget in bytes.")
 

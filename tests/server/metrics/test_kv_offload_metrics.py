@@ -14,8 +14,16 @@ from server.metrics.collector import EngineMetrics
 from server.metrics.names import MetricNames
 
 
-def metrics(scheme: str) -> EngineMetrics:
-    return EngineMetrics(CollectorRegistry(), "m", 16, 64, 128, MetricNames(scheme))  # type: ignore[arg-type]
+def metrics(scheme: str, tiers: tuple[str, ...]) -> EngineMetrics:
+    return EngineMetrics(
+        CollectorRegistry(),
+        "m",
+        16,
+        64,
+        128,
+        MetricNames(scheme),  # type: ignore[arg-type]
+        kv_offload_tiers=tiers,
+    )
 
 
 def samples(m: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -37,7 +45,18 @@ def tiers(**kwargs: dict[str, int]) -> KVOffloadStats:
 
 @pytest.mark.parametrize(("scheme", "prefix"), [("pagedserve", "pagedserve:"), ("vllm", "vllm:")])
 def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
-    m = metrics(scheme)
+    m = metrics(scheme, ("host", "disk"))
+    # At 0 from start-up, so that a rate() over the first traffic sees all of it.
+    moved = "pagedserve:kv_offload_bytes_total"  # no vLLM equivalent: ours
+    assert samples(m) == {
+        (f"{prefix}external_prefix_cache_queries_total", ()): 0,
+        (f"{prefix}external_prefix_cache_hits_total", ()): 0,
+        **{
+            (moved, (("direction", d), ("tier", t))): 0
+            for d in ("store", "load")
+            for t in ("host", "disk")
+        },
+    }
     m.record(
         EngineStats(
             external_prefix_cache_queries=300,
@@ -64,7 +83,6 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
     got = samples(m)
     assert got[(f"{prefix}external_prefix_cache_queries_total", ())] == 400
     assert got[(f"{prefix}external_prefix_cache_hits_total", ())] == 192
-    moved = "pagedserve:kv_offload_bytes_total"  # no vLLM equivalent: ours
     assert got[(moved, (("direction", "store"), ("tier", "host")))] == 4096
     assert got[(moved, (("direction", "store"), ("tier", "disk")))] == 4096
     assert got[(moved, (("direction", "load"), ("tier", "host")))] == 8192
@@ -74,6 +92,6 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
 
 
 def test_an_engine_without_tiers_publishes_no_tier_series() -> None:
-    m = metrics("pagedserve")
+    m = metrics("pagedserve", ())
     m.record(EngineStats(prefix_cache_queries=10, prefix_cache_hits=5))
     assert samples(m) == {}

@@ -239,20 +239,28 @@ def test_prometheus_ingests_exact_counts(server: RunningServer, prometheus: str)
 
 
 # The panels of what only some servers run: their metrics exist only there.
-OPTIONAL_PANELS = {"speculative": "spec_decode_", "images": ":mm_"}
+OPTIONAL_PANELS = {
+    "speculative": ("spec_decode_",),
+    "images": (":mm_",),
+    "kv_offload": ("external_prefix_cache_", "kv_offload_"),
+}
 
 
-def dashboard_queries(speculative: bool = False, images: bool = False) -> list[str]:
-    """The dashboard's PromQL: the speculative-decoding panels', the image-input panels', or
-    (neither asked) all the others'."""
+def dashboard_queries(
+    speculative: bool = False, images: bool = False, kv_offload: bool = False
+) -> list[str]:
+    """The dashboard's PromQL: the panels of the one optional feature asked for
+    (OPTIONAL_PANELS), or, none asked, all the others'."""
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
     queries = [
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
     ]
-    if speculative or images:
-        marker = OPTIONAL_PANELS["speculative" if speculative else "images"]
-        return [q for q in queries if marker in q]
-    return [q for q in queries if not any(m in q for m in OPTIONAL_PANELS.values())]
+    asked = [name for name, on in zip(OPTIONAL_PANELS, (speculative, images, kv_offload)) if on]
+    if asked:
+        (name,) = asked
+        return [q for q in queries if any(m in q for m in OPTIONAL_PANELS[name])]
+    markers = [m for group in OPTIONAL_PANELS.values() for m in group]
+    return [q for q in queries if not any(m in q for m in markers)]
 
 
 def answer(url: str, expr: str, model: str) -> list[dict[str, Any]]:
@@ -265,9 +273,9 @@ def answer(url: str, expr: str, model: str) -> list[dict[str, Any]]:
 
 
 def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: str) -> None:
-    """The speculative-decoding and image panels are checked on servers that speculate and
-    read images (test_spec_decode_server.py, test_server_images.py); here, on a text model
-    without speculation, they show nothing at all rather than a misleading 0."""
+    """The speculative-decoding, image and KV offload panels are checked on servers that run
+    them (test_spec_decode_server.py, test_server_images.py, test_kv_offload_dashboard.py);
+    here, on a text model without them, they show nothing at all rather than a misleading 0."""
     queries = dashboard_queries()
     assert len(queries) >= 12
     wait_for_answer(prometheus, 'up{job="pagedserve"}', 1.0)
@@ -283,8 +291,12 @@ def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: s
     time.sleep(3)  # a few scrapes after the traffic
     for expr in queries:
         assert answer(prometheus, expr, MODEL), f"no data for {expr}"
-    optional = dashboard_queries(speculative=True) + dashboard_queries(images=True)
-    assert len(optional) == 3 + 4
+    optional = [
+        *dashboard_queries(speculative=True),
+        *dashboard_queries(images=True),
+        *dashboard_queries(kv_offload=True),
+    ]
+    assert len(optional) == 3 + 4 + 3
     for expr in optional:
         assert answer(prometheus, expr, MODEL) == [], expr
 
