@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 KEY_BYTES = 16
 
@@ -25,6 +26,9 @@ class ModelIdentity:
     kv_dtype: str
     block_size: int
     quantization: str | None  # another format of the same weights computes other K/V
+    # Each weight file's name, size and modification time: weights replaced in the same folder
+    # (a new revision saved over the old) must not find the old weights' blocks on disk.
+    weights: tuple[tuple[str, int, int], ...] = ()
 
     def digest(self) -> bytes:
         text = json.dumps(asdict(self), sort_keys=True).encode()
@@ -33,3 +37,16 @@ class ModelIdentity:
 
 def tier_key(identity_digest: bytes, block_hash: bytes) -> bytes:
     return hashlib.blake2b(identity_digest + block_hash, digest_size=KEY_BYTES).digest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weight_files(model: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime in ns) of the weights at `model`, a folder or a single file."""
+    files = [model] if model.is_file() else sorted(model.iterdir()) if model.is_dir() else []
+    return tuple(
+        (f.name, (st := f.stat()).st_size, st.st_mtime_ns)
+        for f in files
+        if f.name.endswith(WEIGHT_SUFFIXES)
+    )

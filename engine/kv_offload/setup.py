@@ -13,7 +13,7 @@ from engine.kv_offload.block_io import KVCaches, PoolBlockIO
 from engine.kv_offload.connector import KVOffloadConnector
 from engine.kv_offload.disk_tier import SUFFIX, DiskTier
 from engine.kv_offload.host_tier import HostTier
-from engine.kv_offload.keys import ModelIdentity
+from engine.kv_offload.keys import ModelIdentity, weight_files
 from engine.loading.model_spec import ModelSpec
 
 GIB = 2**30
@@ -91,8 +91,9 @@ def check_kv_offload(config: EngineConfig, spec: ModelSpec, draft_kv_bytes: int)
 
 
 def identity_of(spec: ModelSpec) -> ModelIdentity:
+    weights = spec.gguf_file or spec.path
     return ModelIdentity(
-        model=str(spec.gguf_file or spec.path),
+        model=str(weights),
         architecture=spec.architecture,
         num_layers=spec.info.num_layers,
         num_kv_heads=spec.kv_heads_per_rank,
@@ -100,6 +101,7 @@ def identity_of(spec: ModelSpec) -> ModelIdentity:
         kv_dtype=str(spec.dtype).removeprefix("torch."),
         block_size=spec.block_size,
         quantization=spec.quantization,
+        weights=weight_files(weights),
     )
 
 

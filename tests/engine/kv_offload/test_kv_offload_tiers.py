@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,3 +318,20 @@ def test_random_arrivals_with_tier_evictions_between_lookup_and_load(
         assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     assert found > 0
     assert [got[str(i)] for i in range(len(prompts))] == want
+
+
+def test_weights_replaced_in_the_same_folder_never_hit(llama_dir: Path, tmp_path: Path) -> None:
+    """A new revision saved over the old one keeps the folder's path: its blocks must not be
+    the old weights'. A weight file with another size or modification time is another model."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    folder = tmp_path / "tier"
+    with LLM(str(model), **SMALL_POOL, **disk(folder)) as llm:
+        run(llm, FIRST)
+    with LLM(str(model), **SMALL_POOL, **disk(folder)) as same:
+        assert run(same, FIRST[:1]).stats.external_prefix_cache_hits == DOC_TOKENS
+    weights = sorted(model.glob("*.safetensors"))[0]  # one shard of the checkpoint
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # saved again
+    with LLM(str(model), **SMALL_POOL, **disk(folder)) as replaced:
+        assert run(replaced, FIRST[:1]).stats.external_prefix_cache_hits == 0
