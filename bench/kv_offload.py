@@ -19,7 +19,7 @@ evicted from the pool, and only a tier can give it back.
 TTFT is the mean over the revisits (turns 2 and later); the hit rate is the tier's tokens found
 over the tokens asked. Then the write-through's cost: output tok/s of `--overhead-requests`
 requests of distinct random prompts (128 in, 64 out, all at once), without and with both tiers
-(host and disk), on a new engine per arm and round, rounds alternating which is built first.
+(host and disk), each arm in a process of its own, rounds alternating which runs first.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,36 +117,42 @@ def revisits(args: argparse.Namespace, work: list[list[list[int]]], arm: str, di
     return visits
 
 
-def write_through_cost(
-    args: argparse.Namespace, vocab: int, dirs: Path
-) -> list[tuple[float, float]]:
-    """(none, tiers) output tok/s per round on prompts that share nothing. Each arm gets an
-    engine of its own each round, built in alternating order: the second of two engines built
-    in one process ran slower whichever arm it was."""
-    rng = random.Random(args.seed + 1)
+def overhead_arm(args: argparse.Namespace, arm: str, dirs: Path, seed: int) -> float:
+    """Output tok/s of one arm on prompts that share nothing, on an engine of its own."""
+    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     settings = {"dtype": args.dtype, "max_model_len": 256, "max_num_seqs": args.overhead_requests}
     tiers = {
         "kv_offloading_size": 1.0,
-        "kv_offloading_disk_dir": str(dirs / "overhead"),
+        "kv_offloading_disk_dir": str(dirs / f"overhead-{seed}"),
         "kv_offloading_disk_size": 4.0,
     }
+    llm = LLM(args.model, **settings, **(tiers if arm == "tiers" else {}))
+    vocab = llm.tokenizer.vocab_size
+    llm.generate([[100 + i for i in range(32)]], params)  # first-call costs
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(128)] for _ in range(args.overhead_requests)
+    ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    llm.close()
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+
+def write_through_cost(args: argparse.Namespace, dirs: Path) -> list[tuple[float, float]]:
+    """(none, tiers) output tok/s per round. Each arm runs in a process of its own, in
+    alternating order: two engines built one after the other in one process ran at different
+    speeds whichever arm came second (0.83x and 1.27x), which swamped a cost of a few percent."""
     rounds = []
     for r in range(args.rounds):
         rates = {}
-        for name in ("none", "tiers") if r % 2 else ("tiers", "none"):
-            llm = LLM(args.model, **settings, **(tiers if name == "tiers" else {}))
-            llm.generate([[100 + i for i in range(32)]], params)  # first-call costs
-            prompts = [
-                [rng.randrange(100, vocab - 100) for _ in range(128)]
-                for _ in range(args.overhead_requests)
-            ]
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            seconds = time.perf_counter() - start
-            rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-            llm.close()
-            del llm
+        for arm in ("none", "tiers") if r % 2 else ("tiers", "none"):
+            cmd = [sys.executable, __file__, "--overhead-arm", arm, "--seed", str(args.seed + r)]
+            cmd += ["--dtype", args.dtype, "--overhead-requests", str(args.overhead_requests)]
+            cmd += ["--scratch", str(dirs)] + (["--model", args.model] if args.model else [])
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rates[arm] = float(done.stdout.strip().splitlines()[-1])
         rounds.append((rates["none"], rates["tiers"]))
     return rounds
 
@@ -163,7 +170,12 @@ def main() -> None:
     parser.add_argument("--overhead-requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--overhead-arm", choices=["none", "tiers"], help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.overhead_arm:  # one arm of the write-through cost, in a process of its own
+        print(overhead_arm(args, args.overhead_arm, args.scratch, args.seed))
+        return
     dirs = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
     try:
         probe = LLM(args.model, dtype=args.dtype, num_kv_blocks=64, max_model_len=256)
@@ -196,7 +208,7 @@ def main() -> None:
         if not args.skip_overhead:
             print("\n| round | none tok/s | host+disk tok/s | ratio |")
             print("|---:|---:|---:|---:|")
-            for r, (none, tiers) in enumerate(write_through_cost(args, vocab, dirs), 1):
+            for r, (none, tiers) in enumerate(write_through_cost(args, dirs), 1):
                 print(f"| {r} | {none:.1f} | {tiers:.1f} | {tiers / none:.3f} |")
     finally:
         shutil.rmtree(dirs, ignore_errors=True)
