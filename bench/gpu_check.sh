@@ -58,7 +58,7 @@ QUANT_S=${GPU_CHECK_QUANT_S:-300}
 DEPS=${GPU_CHECK_DEPS:-/tmp/pagedserve-gpu-deps}
 # What has never run on a GPU first (the H200 run of 2026-11-28 reached only test_gpu_pooling.py
 # in 210 s), then what has.
-GPU_TESTS=(tests/gpu/test_gpu_spec_decode.py tests/gpu/test_gpu_vlm.py
+GPU_TESTS=(tests/gpu/test_gpu_spec_decode.py tests/gpu/test_gpu_vlm.py tests/gpu/test_gpu_kv_offload.py
     tests/kernels/attention/test_triton_kernels.py tests/kernels/gpu_quant/test_triton_quant_linear.py
     tests/gpu/test_gpu.py tests/gpu/test_gpu_fused_kernels.py tests/gpu/test_gpu_pooling.py)
 mkdir -p "$RESULTS" "$DEPS"
