@@ -63,9 +63,10 @@ lint: install-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# --durations: the slowest tests, named at the end of every run, so that a slow one is seen.
+# --durations: the slowest tests, named at the end of every run, so that a slow one is seen and
+# the suite can be trimmed from one run's list.
 test: install-dev lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=60
 
 bench: install-dev
 	$(BIN)/python bench/offline_throughput.py
