@@ -17,9 +17,10 @@ evicted from the pool, and only a tier can give it back.
   a new engine on the same folder with no host tier (a restart), which runs the later turns.
 
 TTFT is the mean over the revisits (turns 2 and later); the hit rate is the tier's tokens found
-over the tokens asked. Then the write-through's cost: output tok/s of `--overhead-requests`
-requests of distinct random prompts (128 in, 64 out, all at once), without and with both tiers
-(host and disk), each arm in a process of its own, rounds alternating which runs first.
+over the tokens asked. Then the write-through's cost: output tok/s and the process's CPU seconds
+for `--overhead-requests` requests of distinct random prompts (128 in, 64 out, all at once) with
+no tier, the host tier, the disk tier and both, each arm in a process of its own, the order
+turning every round. On a shared machine CPU seconds vary less than tok/s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -117,43 +119,57 @@ def revisits(args: argparse.Namespace, work: list[list[list[int]]], arm: str, di
     return visits
 
 
-def overhead_arm(args: argparse.Namespace, arm: str, dirs: Path, seed: int) -> float:
-    """Output tok/s of one arm on prompts that share nothing, on an engine of its own."""
+OVERHEAD_ARMS = ("none", "host", "disk", "both")
+
+
+def overhead_arm(args: argparse.Namespace, arm: str, dirs: Path, seed: int) -> tuple[float, float]:
+    """Output tok/s and the process's CPU seconds (every thread, the disk writer's too) of one
+    arm on prompts that share nothing, on an engine of its own; the disk writes are waited for."""
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     settings = {"dtype": args.dtype, "max_model_len": 256, "max_num_seqs": args.overhead_requests}
-    tiers = {
-        "kv_offloading_size": 1.0,
+    host = {"kv_offloading_size": 1.0}
+    disk = {
         "kv_offloading_disk_dir": str(dirs / f"overhead-{seed}"),
         "kv_offloading_disk_size": 4.0,
     }
-    llm = LLM(args.model, **settings, **(tiers if arm == "tiers" else {}))
+    tiers = {"none": {}, "host": host, "disk": disk, "both": {**host, **disk}}[arm]
+    llm = LLM(args.model, **settings, **tiers)
     vocab = llm.tokenizer.vocab_size
     llm.generate([[100 + i for i in range(32)]], params)  # first-call costs
     prompts = [
         [rng.randrange(100, vocab - 100) for _ in range(128)] for _ in range(args.overhead_requests)
     ]
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
+    if llm.engine.offload is not None:
+        llm.engine.offload.flush()
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     llm.close()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, cpu
 
 
-def write_through_cost(args: argparse.Namespace, dirs: Path) -> list[tuple[float, float]]:
-    """(none, tiers) output tok/s per round. Each arm runs in a process of its own, in
-    alternating order: two engines built one after the other in one process ran at different
+def write_through_cost(
+    args: argparse.Namespace, dirs: Path
+) -> list[dict[str, tuple[float, float]]]:
+    """Per round, each arm's (tok/s, CPU s). Each arm runs in a process of its own, the order
+    turning every round: two engines built one after the other in one process ran at different
     speeds whichever arm came second (0.83x and 1.27x), which swamped a cost of a few percent."""
     rounds = []
     for r in range(args.rounds):
-        rates = {}
-        for arm in ("none", "tiers") if r % 2 else ("tiers", "none"):
+        got = {}
+        shift = r % len(OVERHEAD_ARMS)
+        for arm in OVERHEAD_ARMS[shift:] + OVERHEAD_ARMS[:shift]:
             cmd = [sys.executable, __file__, "--overhead-arm", arm, "--seed", str(args.seed + r)]
             cmd += ["--dtype", args.dtype, "--overhead-requests", str(args.overhead_requests)]
             cmd += ["--scratch", str(dirs)] + (["--model", args.model] if args.model else [])
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rates[arm] = float(done.stdout.strip().splitlines()[-1])
-        rounds.append((rates["none"], rates["tiers"]))
+            rate, cpu = done.stdout.strip().splitlines()[-1].split()
+            got[arm] = (float(rate), float(cpu))
+        rounds.append(got)
     return rounds
 
 
@@ -170,11 +186,12 @@ def main() -> None:
     parser.add_argument("--overhead-requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-overhead", action="store_true")
-    parser.add_argument("--overhead-arm", choices=["none", "tiers"], help=argparse.SUPPRESS)
+    parser.add_argument("--overhead-only", action="store_true", help="only the write-through cost")
+    parser.add_argument("--overhead-arm", choices=OVERHEAD_ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.overhead_arm:  # one arm of the write-through cost, in a process of its own
-        print(overhead_arm(args, args.overhead_arm, args.scratch, args.seed))
+        print(*overhead_arm(args, args.overhead_arm, args.scratch, args.seed))
         return
     dirs = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
     try:
@@ -188,28 +205,35 @@ def main() -> None:
             f"{args.dtype}: {args.docs} conversations of {args.turns} turns over "
             f"{args.doc_len}-token documents, pool of {args.pool_docs} documents"
         )
-        arms = ("none", "host", "disk")
-        results: dict[str, list[Visits]] = {arm: [] for arm in arms}
-        for r in range(args.rounds):
-            for arm in arms if r % 2 == 0 else tuple(reversed(arms)):
-                results[arm].append(revisits(args, work, arm, dirs))
-        print("| arm | round | revisit TTFT mean ms | p50 ms | tier hit rate | vs none |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for r in range(args.rounds):
-            base = statistics.mean(results["none"][r].ttft_s)
-            for arm in arms:
-                v = results[arm][r]
-                mean = statistics.mean(v.ttft_s)
-                rate = f"{v.hits / v.queries:.2f}" if v.queries else "-"
-                print(
-                    f"| {arm} | {r + 1} | {mean * 1e3:.0f} | "
-                    f"{statistics.median(v.ttft_s) * 1e3:.0f} | {rate} | {mean / base:.2f}x |"
-                )
+        if not args.overhead_only:
+            arms = ("none", "host", "disk")
+            results: dict[str, list[Visits]] = {arm: [] for arm in arms}
+            for r in range(args.rounds):
+                for arm in arms if r % 2 == 0 else tuple(reversed(arms)):
+                    results[arm].append(revisits(args, work, arm, dirs))
+            print("| arm | round | revisit TTFT mean ms | p50 ms | tier hit rate | vs none |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for r in range(args.rounds):
+                base = statistics.mean(results["none"][r].ttft_s)
+                for arm in arms:
+                    v = results[arm][r]
+                    mean = statistics.mean(v.ttft_s)
+                    rate = f"{v.hits / v.queries:.2f}" if v.queries else "-"
+                    print(
+                        f"| {arm} | {r + 1} | {mean * 1e3:.0f} | "
+                        f"{statistics.median(v.ttft_s) * 1e3:.0f} | {rate} | {mean / base:.2f}x |"
+                    )
         if not args.skip_overhead:
-            print("\n| round | none tok/s | host+disk tok/s | ratio |")
-            print("|---:|---:|---:|---:|")
-            for r, (none, tiers) in enumerate(write_through_cost(args, dirs), 1):
-                print(f"| {r} | {none:.1f} | {tiers:.1f} | {tiers / none:.3f} |")
+            rounds = write_through_cost(args, dirs)
+            print("\n| round | " + " | ".join(f"{a} tok/s, CPU s" for a in OVERHEAD_ARMS) + " |")
+            print("|---:|" + "---:|" * len(OVERHEAD_ARMS))
+            for r, got in enumerate(rounds, 1):
+                cells = [f"{got[a][0]:.0f}, {got[a][1]:.2f}" for a in OVERHEAD_ARMS]
+                print(f"| {r} | " + " | ".join(cells) + " |")
+            for arm in OVERHEAD_ARMS[1:]:
+                rate = statistics.median(got[arm][0] / got["none"][0] for got in rounds)
+                cpu = statistics.median(got[arm][1] / got["none"][1] for got in rounds)
+                print(f"{arm}: median tok/s {rate:.3f}x, CPU seconds {cpu:.3f}x of none")
     finally:
         shutil.rmtree(dirs, ignore_errors=True)
 
