@@ -23,7 +23,7 @@ class KVOffloadMetrics:
         tiers: tuple[str, ...],
     ) -> None:
         """`labels` / `values`: the label names and values every series of the server carries;
-        `tiers`: the tiers on, whose byte counters start at 0."""
+        `tiers`: the tiers on, whose series start at 0."""
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(names.name(name), doc, [*labels, *extra], registry=registry)
@@ -49,6 +49,9 @@ class KVOffloadMetrics:
                 self.bytes.labels(*values, direction, tier)
         self.used = gauge("kv_offload_used_bytes", "Bytes a KV offload tier holds.")
         self.capacity = gauge("kv_offload_capacity_bytes", "A KV offload tier's budget in bytes.")
+        for tier in tiers:  # set from the engine's first stats
+            self.used.labels(*values, tier)
+            self.capacity.labels(*values, tier)
 
     def record(self, stats: EngineStats) -> None:
         self.queries.inc(stats.external_prefix_cache_queries)

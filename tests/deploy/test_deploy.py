@@ -80,6 +80,11 @@ CHARTED_FAMILIES = {
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
     "mm_cache_queries",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_bytes",
+    "kv_offload_used_bytes",
+    "kv_offload_capacity_bytes",
     "mm_cache_hits",
     "mm_images_encoded",
     "mm_preprocessing_seconds",
@@ -124,16 +129,24 @@ def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
 
 
 def optional_families() -> dict[str, tuple[str, set[str]]]:
-    """What a server started with --speculative-config, or on a vision-language model, adds to
-    its page (the test server is neither): the server's own collector with both on, rendered as
-    /metrics renders it."""
+    """What a server started with --speculative-config, on a vision-language model, or with KV
+    offload tiers adds to its page (the test server is none of these): the server's own
+    collector with all three on, rendered as /metrics renders it."""
     metrics = EngineMetrics(
-        CollectorRegistry(), "m", 16, 64, 128, num_speculative_tokens=2, images=True
+        CollectorRegistry(),
+        "m",
+        16,
+        64,
+        128,
+        num_speculative_tokens=2,
+        images=True,
+        kv_offload_tiers=("host", "disk"),
     )
+    optional = ("spec_decode", ":mm_", "external_prefix_cache", "kv_offload")
     return {
         name: family
         for name, family in families(generate_latest(metrics.registry).decode()).items()
-        if "spec_decode" in name or ":mm_" in name
+        if any(marker in name for marker in optional)
     }
 
 
@@ -402,7 +415,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 32
+    assert len(exprs) == 35
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr

@@ -56,6 +56,11 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
             for d in ("store", "load")
             for t in ("host", "disk")
         },
+        **{
+            (f"pagedserve:kv_offload_{g}_bytes", (("tier", t),)): 0
+            for g in ("used", "capacity")
+            for t in ("host", "disk")
+        },
     }
     m.record(
         EngineStats(
