@@ -52,14 +52,15 @@ class DaemonThreadPool(Executor):
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
-            _do(*item)
+            run_into(*item)
             # The next get() may wait for the rest of the process's life: nothing of the work
             # done may stay referenced from this frame meanwhile (an engine's step function
             # holds its weights and KV cache).
             del item
 
 
-def _do(future: Future[Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def run_into(future: Future[Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Run `fn` for `future`, its result or exception handed over; nothing if it was cancelled."""
     if not future.set_running_or_notify_cancel():  # cancelled while it waited
         return
     try:

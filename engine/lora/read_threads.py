@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from engine.daemon_pool import run_into
+
 
 class ReadThreads(Executor):
     def __init__(self, max_running: int, name: str) -> None:
@@ -27,13 +29,8 @@ class ReadThreads(Executor):
         future: Future[Any] = Future()
 
         def run() -> None:
-            with self._running:
-                if not future.set_running_or_notify_cancel():  # abandoned while it waited
-                    return
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                    future.set_exception(exc)
+            with self._running:  # abandoned while it waited: run_into does nothing
+                run_into(future, fn, args, kwargs)
 
         threading.Thread(target=run, name=self._name, daemon=True).start()
         return future
