@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import random
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,6 +21,7 @@ from config import ServerConfig
 from engine import LLM, RequestOutput, SamplingParams
 from server.app import attach_metrics
 from tests.conftest import SERVER_SETTINGS
+from tests.support.http_load import HealthProbe, run_storm, stream_all
 from tests.support.server_harness import (
     MODEL,
     RunningServer,
@@ -39,65 +37,6 @@ STREAM_TOKENS = 6
 
 def prompts(count: int, salt: str) -> list[str]:
     return [f"{salt} {i}: the number {i} in words is" for i in range(count)]
-
-
-@dataclass
-class StreamResult:
-    text: str = ""
-    tokens: list[str] = field(
-        default_factory=list
-    )  # one entry per token, as the chunks carried them
-    finish_reasons: list[str] = field(default_factory=list)
-    done: bool = False
-
-
-async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamResult:
-    result = StreamResult()
-    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                result.done = True
-                continue
-            assert not result.done, "an event after [DONE]"
-            chunk = json.loads(data)
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                result.text += choice["text"]
-                result.tokens += choice["logprobs"]["tokens"]
-                if choice["finish_reason"] is not None:
-                    result.finish_reasons.append(choice["finish_reason"])
-    return result
-
-
-class HealthProbe:
-    """Polls /health from its own thread and client, as a kubelet would, recording latencies."""
-
-    def __init__(self, url: str, period: float = 0.2) -> None:
-        self.url = url
-        self.period = period
-        self.latencies: list[float] = []
-        self.statuses: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.wait(self.period):
-                start = time.monotonic()
-                self.statuses.append(client.get(self.url + "/health").status_code)
-                self.latencies.append(time.monotonic() - start)
 
 
 STORM_PROMPTS = prompts(500, "Line")
@@ -139,17 +78,11 @@ def test_500_concurrent_streams_exact_tokens_and_health_stays_fast(
 ) -> None:
     texts, expected, tokenizer = STORM_PROMPTS, offline.storm, offline.tokenizer
 
-    async def main() -> list[StreamResult]:
-        limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
-        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
-            bodies = [
-                {"prompt": p, "max_tokens": STREAM_TOKENS, "temperature": 0, "logprobs": 0}
-                for p in texts
-            ]
-            return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
-
+    bodies = [
+        {"prompt": p, "max_tokens": STREAM_TOKENS, "temperature": 0, "logprobs": 0} for p in texts
+    ]
     with HealthProbe(server.url) as probe:
-        results = asyncio.run(main())
+        results = run_storm(server.url, bodies)
     for want, got in zip(expected, results):
         sample = want.outputs[0]
         assert got.done
@@ -251,22 +184,9 @@ def test_kv_exhaustion_under_load_preempts_and_keeps_greedy_outputs(
     config = ServerConfig(served_model_name=[MODEL])
     running = RunningServer(engine, config, attach_metrics(engine, config))
     try:
-
-        async def main() -> list[StreamResult]:
-            async with httpx.AsyncClient(base_url=running.url, timeout=600) as client:
-                bodies = [
-                    {
-                        "prompt": p,
-                        "max_tokens": SMALL_POOL_PARAMS.max_tokens,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                        "logprobs": 0,
-                    }
-                    for p in texts
-                ]
-                return await asyncio.gather(*(stream_completion(client, b) for b in bodies))
-
-        results = asyncio.run(main())
+        body = {"max_tokens": SMALL_POOL_PARAMS.max_tokens, "temperature": 0, "ignore_eos": True}
+        bodies = [{**body, "prompt": p, "logprobs": 0} for p in texts]
+        results = asyncio.run(stream_all(running.url, bodies))
         for want, got in zip(expected, results):
             assert got.done and got.finish_reasons == ["length"]
             assert got.text == want.outputs[0].text
