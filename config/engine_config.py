@@ -112,14 +112,16 @@ class ModelConfig(_Strict):
         "weights quantized at load to float8_e4m3fn with a scale per output channel, activations "
         "per token; default: the checkpoint's weights)",
     )
-    quantize_activations: Literal["int8", "none"] | None = Field(
+    quantize_activations: Literal["int8", "auto", "none"] | None = Field(
         None,
         description="int8: integer quantized weights (--quantization int8, gguf, compressed-tensors, "
         "gptq, awq; 4-bit or 8-bit, in groups of a multiple of 32 inputs or whole rows) multiplied "
         "with their activations rounded to int8 per block of 32 (integer products, AVX512-VNNI on "
         "the CPU: faster, not the exact numbers); none: activations as they are, also for a "
-        "checkpoint that declares dynamic int8 ones (W8A8, W4A8); default: int8 where such a "
-        "checkpoint declares them and they run here, else activations as they are",
+        "checkpoint that declares dynamic int8 ones (W8A8, W4A8); auto: int8 where they can run "
+        "and the model's own linears, timed both ways at start-up, are clearly faster with them "
+        "(the log says the times); default: int8 where such a checkpoint declares them and they "
+        "run here, else activations as they are",
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",

@@ -341,11 +341,12 @@ def resolve_activations(
     quantization: str | None,
     linear_format: LinearFormat | None,
     platform: Platform,
-) -> Literal["int8"] | None:
+) -> Literal["int8", "auto"] | None:
     """int8 where --quantize-activations int8 says so (refused where it cannot run), or where a
-    checkpoint declares dynamic int8 activations (W8A8, W4A8) and they can run here; else None:
-    the activations as they are (bf16 or float32 products, more exact than the checkpoint asked
-    for where it declared int8 ones)."""
+    checkpoint declares dynamic int8 activations (W8A8, W4A8) and they can run here; auto where
+    that flag says so and they can run (the runner times both paths once the weights load); else
+    None: the activations as they are (bf16 or float32 products, more exact than the checkpoint
+    asked for where it declared int8 ones)."""
     named = model.quantize_activations
     declared = isinstance(linear_format, CompressedTensorsFormat) and linear_format.int8_activations
     if named == "none" or (named is None and not declared):
@@ -368,8 +369,13 @@ def resolve_activations(
     if why_not is not None:
         if named == "int8":
             raise ConfigError(f"--quantize-activations int8: {why_not}")
+        if named == "auto":
+            log.info("activations: 16-bit (--quantize-activations auto; int8: %s)", why_not)
+            return None
         log.info("activations: 16-bit, not the checkpoint's dynamic int8 (%s)", why_not)
         return None
+    if named == "auto":
+        return "auto"
     source = "--quantize-activations int8" if named == "int8" else "the checkpoint's dynamic int8"
     log.info("activations: %s, rounded per block of 32 inputs (integer products)", source)
     return "int8"

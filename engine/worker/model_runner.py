@@ -24,6 +24,7 @@ from engine.models.vision_language import VisionLanguageModel
 from engine.multimodal.step_input import EncoderOutputs
 from engine.pooling import pool
 from engine.worker.cpu import prepare_model
+from engine.worker.cpu.activation_choice import time_activations
 from engine.worker.cpu.activation_quant import use_int8_activations
 from engine.worker.cpu.quantize import quantize_int8
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -258,7 +259,15 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         count = quantize_int8(model)
         if shard.rank == 0:
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)
-    if spec.quantize_activations == "int8":  # before the layer loop, which reads the marks
+    if spec.quantize_activations == "auto":  # timed on the loaded weights, before packing
+        rows = sorted({1, min(16, config.scheduler.max_num_seqs)})
+        timing = time_activations(model, spec.dtype, tuple(rows))
+        use = timing is not None and timing.int8
+        if shard.rank == 0:
+            log.info(timing.describe() if timing else "activations: 16-bit (no linear takes int8)")
+    else:
+        use = spec.quantize_activations == "int8"
+    if use:  # before the layer loop, which reads the marks
         named = config.model.quantize_activations == "int8"  # else the checkpoint declares them
         marked, total = use_int8_activations(model, named)
         if shard.rank == 0:
