@@ -66,7 +66,7 @@ lint: install-dev
 # --durations: the slowest tests, named at the end of every run, so that a slow one is seen and
 # the suite can be trimmed from one run's list.
 test: install-dev lint
-	$(BIN)/python -m pytest -q --durations=60
+	$(BIN)/python -m pytest -q --durations=30
 
 bench: install-dev
 	$(BIN)/python bench/offline_throughput.py

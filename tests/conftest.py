@@ -12,7 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import engine.loading.resolve
+from tests.support import tokenizer_cache
 from tests.support.models import build_random_model
+
+tokenizer_cache.install()
 
 
 # The oracle of the token-exact tests is transformers in float32, so the suite runs in float32
@@ -161,3 +164,22 @@ def redis_url(redis_server: str) -> str:
     with Redis.from_url(redis_server) as client:
         client.flushall()
     return redis_server
+
+
+# Where the suite's time goes, a module at a time (setup, call and teardown summed), printed after
+# the slowest tests: module-scoped fixtures hide a module's cost from --durations' per-test list.
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::")[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if len(_module_seconds) < 2:
+        return
+    slowest = sorted(_module_seconds.items(), key=lambda item: -item[1])[:30]
+    terminalreporter.write_sep("=", f"slowest 30 of {len(_module_seconds)} modules")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {module}")
