@@ -38,7 +38,7 @@
 // float64 formula on the rounded activations within float32 rounding
 // (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
 // row count takes these 8-row tiles (integer products beat de-quantizing into bf16 past 64 rows
-// too). 8-bit weights (any int8 q, -128..127): `vpdpbusd` multiplies an unsigned byte by a signed
+// too), except, on a CPU with AMX, bf16 rows from kTileRows on (tiles_linear, either path). 8-bit weights (any int8 q, -128..127): `vpdpbusd` multiplies an unsigned byte by a signed
 // one, so a quad's bytes are flipped at their top bit (one `vpxord` a quad, shared by a tile's
 // rows), q ^ 0x80 = q + 128 as an unsigned byte, and each block's int32 sums start at -128 x the
 // row's integer sum of the block's activations (computed once when the rows are rounded): they
@@ -532,6 +532,54 @@ AVX512_TARGET void item_prefill(int64_t rows, const at::BFloat16* x, const Weigh
     rows_dense<8>(rows, x, dense.data(), w, out, block);
 }
 
+#if defined(PAGEDSERVE_X86) && defined(__AMX_BF16__)
+// Many rows on a CPU with AMX: oneDNN multiplies bf16 on AMX tiles, 3-10x this file's vector code
+// from about 128 rows (bench/quant_kernel.py --rows 128,512,2048 on the default model's shapes:
+// the int8-activation path 2-3x and the exact one 9-10x slower than torch's bf16 linear). So
+// there the whole weight is de-quantized once into a plain [n, k] bf16 matrix (dequantize_bf16's
+// numbers, each weight rounded to bf16 as item_prefill rounds it) and handed to torch. With int8
+// activations the rows are then not rounded: the de-quantized weights' product, more exact than
+// the path it replaces.
+constexpr int64_t kTileRows = 128;
+
+template <int kBits>
+AVX512_TARGET void dequantize_plain(const Weights& w, int64_t item, uint16_t* scratch, uint16_t* dst) {
+    dequantize_bf16<kBits>(w, 2 * item, scratch);
+    // A pair's 32 values are its 16 columns' two inputs side by side: one permute splits them
+    // into input 2p's 16 columns and input 2p + 1's, each a run of dst's row of that input.
+    const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26,
+                                           24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int64_t b = 0; b < 2; ++b) {
+        const int64_t col0 = (2 * item + b) * kCols;
+        const __mmask16 m = existing(w.n, col0);
+        if (m == 0) continue;
+        const uint16_t* src = scratch + b * w.pairs * 32;
+        for (int64_t p = 0; p < w.pairs; ++p) {
+            const __m512i v = _mm512_permutexvar_epi16(split, _mm512_loadu_si512(src + p * 32));
+            _mm256_mask_storeu_epi16(dst + 2 * p * w.n + col0, m, _mm512_castsi512_si256(v));
+            _mm256_mask_storeu_epi16(dst + (2 * p + 1) * w.n + col0, m, _mm512_extracti64x4_epi64(v, 1));
+        }
+    }
+}
+
+torch::Tensor tiles_linear(const torch::Tensor& x, const Weights& w, bool four_bit,
+                           const std::optional<torch::Tensor>& bias) {
+    auto dense = torch::empty({w.k, w.n}, x.options());  // the weight transposed: inputs are rows
+    auto* dst = reinterpret_cast<uint16_t*>(dense.data_ptr<at::BFloat16>());
+    at::parallel_for(0, padded_columns(w.n) / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+        std::vector<uint16_t> scratch(static_cast<size_t>(w.pairs) * 64);
+        for (int64_t i = begin; i < end; ++i) {
+            four_bit ? dequantize_plain<4>(w, i, scratch.data(), dst) : dequantize_plain<8>(w, i, scratch.data(), dst);
+        }
+    });
+    auto out = at::matmul(x, dense);
+    if (bias) out.add_(*bias);
+    return out;
+}
+#else
+constexpr int64_t kTileRows = 0;
+#endif
+
 // Rows [0, R) of float32 x against one column block. A step widens to two float32 vectors,
 // columns 0-7 and 8-15 with their two inputs side by side, multiplied by the row's input pair
 // repeated; each column's two lanes are added at the end.
@@ -950,6 +998,14 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     TORCH_CHECK(!int8_activations || (k / groups) % kActBlock == 0,
                 "quant_linear: int8 activations are for weights in groups of a multiple of ", kActBlock,
                 " inputs");
+#if defined(PAGEDSERVE_X86) && defined(__AMX_BF16__)
+    if (vector && vector_path() && x.scalar_type() == at::kBFloat16 && m >= kTileRows) {
+        const Weights plain{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
+                            mins ? mins->data_ptr<float>() : nullptr, nullptr, nullptr,
+                            n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
+        return tiles_linear(x, plain, four_bit, bias);
+    }
+#endif
     auto out = torch::empty({m, n}, x.options());
     if (m == 0) return out;
     const bool is_bf16 = x.scalar_type() == at::kBFloat16;
@@ -1087,6 +1143,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("vector_path", &vector_path, "whether this CPU takes the AVX512-BF16 code");
     m.def("linear_portable", &linear_portable, "the portable loop, whatever the CPU has (for checks)");
+    m.def("tile_rows", [] { return kTileRows; },
+          "from how many bf16 rows the weight is de-quantized for torch's AMX matmul (0: no AMX build)");
     m.def("vnni_path", &vnni_path, "whether this CPU takes the int8-activation code (AVX512-VNNI, VBMI and BF16)");
     m.def("quantize_activations", &quantize_activations, "x's int8 values and scales per block of 32");
 }

@@ -21,6 +21,10 @@ _module = load("quant_linear")
 VECTOR: bool = _module.vector_path()
 # Whether it takes the int8-activation vector code (AVX512-VNNI, VBMI and BF16) rather than the loop.
 VNNI: bool = _module.vnni_path()
+# From how many bf16 rows (0: never) the vector code de-quantizes the whole weight into bf16 and
+# lets torch multiply it (oneDNN on AMX tiles): a build for a CPU with AMX. Those rows then get
+# the de-quantized weights' product, also with int8 activations (which are not rounded there).
+TILE_ROWS: int = _module.tile_rows()
 
 
 def linear(

@@ -124,12 +124,43 @@ def test_output_equals_the_float64_formula(
         # most 2^-24 of the running magnitude.
         bound = (K + 4) * 2.0**-24 * (magnitude + bias.abs().to(torch.float64))
         assert ((got - want).abs() <= bound).all(), (rows, (got - want).abs().max())
+        if not portable and 0 < quant_linear.TILE_ROWS <= rows:
+            continue  # bf16 rows that many take the AMX matmul (below), not integer products
         # bf16 activations: the same, the result rounded once to bf16.
         xb = x.to(torch.bfloat16)
         want_b, magnitude_b = _float64_reference(xb.float(), weight, bias)
         got_b = run(xb, packed, bias, True).to(torch.float64)
         bound_b = (K + 4) * 2.0**-24 * (magnitude_b + bias.abs()) + want_b.abs() * 2.0**-8
         assert ((got_b - want_b).abs() <= bound_b).all(), (rows, (got_b - want_b).abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8_activations", [True, False], ids=["int8", "exact"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_bf16_rows_take_the_de_quantized_weight_on_amx(
+    bits: int, int8_activations: bool
+) -> None:
+    """On a build with AMX, from TILE_ROWS bf16 rows on, the weight is de-quantized into bf16 and
+    multiplied by torch: the output is the bf16-rounded weights' float32 product, rounded to bf16,
+    in both modes (so with int8 activations the rows are not rounded there)."""
+    if quant_linear.TILE_ROWS == 0:
+        pytest.skip("a build without AMX: every row count takes this file's own paths")
+    weight, packed = _weight(32, True, seed=11, bits=bits)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(12))
+    dense = weight.dequantize().to(torch.bfloat16).to(torch.float64)
+    for rows in (quant_linear.TILE_ROWS, 300):
+        x = _inputs(rows, seed=13).to(torch.bfloat16)
+        want = x.to(torch.float64) @ dense.T + bias.to(torch.float64)
+        got = quant_linear.linear(x, packed, bias, int8_activations).to(torch.float64)
+        magnitude = x.to(torch.float64).abs() @ dense.abs().T + bias.abs().to(torch.float64)
+        # float32 sums, then bf16 twice (the product, then with the bias added).
+        bound = K * 2.0**-24 * magnitude + 2 * (want.abs() + bias.abs()) * 2.0**-8
+        assert ((got - want).abs() <= bound).all(), (rows, (got - want).abs().max())
+    # One row fewer takes the integer products: off the de-quantized product by the rounding.
+    x = _inputs(quant_linear.TILE_ROWS - 1, seed=13).to(torch.bfloat16)
+    below = quant_linear.linear(x, packed, bias, True).to(torch.float64)
+    exact = x.to(torch.float64) @ dense.T + bias.to(torch.float64)
+    assert (below - exact).abs().max() > 1e-2
 
 
 @needs_kernel
