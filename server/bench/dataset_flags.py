@@ -47,6 +47,16 @@ def range_ratio(text: str) -> float:
     return value
 
 
+def burstiness(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 def request_rate(text: str) -> float:
     try:
         value = float(text)

@@ -44,6 +44,7 @@ class LoadSettings:
     model: str | None = None  # None: the first model GET /v1/models lists
     max_concurrency: int | None = None  # None: no bound
     request_rate: float = math.inf
+    burstiness: float = 1.0  # the arrival gaps' gamma shape: 1 Poisson, below 1 burstier
     seed: int = 0
     timeout: float | None = 600.0  # on the whole run; None: none
     request_timeout: float | None = None  # on one request; None: the run's
@@ -213,7 +214,9 @@ async def run_conversations(
     model = settings.model or str((await first_model(base_url, headers))["id"])
     results = _planned(conversations)
     total = sum(len(row) for row in results)
-    delays = arrival_delays(len(conversations), settings.request_rate, settings.seed)
+    delays = arrival_delays(
+        len(conversations), settings.request_rate, settings.seed, settings.burstiness
+    )
     gate = asyncio.Semaphore(settings.max_concurrency or max(total, 1))
     client = SSEClient(f"{base_url}/{settings.endpoint.lstrip('/')}", headers)
     progress = _progress(total, settings.progress)
@@ -274,6 +277,7 @@ async def run_conversations(
         "model": model,
         "max_concurrency": settings.max_concurrency,
         "request_rate": settings.request_rate,
+        "burstiness": settings.burstiness,
         "seed": settings.seed,
         "timeout": timeout,
         "request_timeout": request_timeout,

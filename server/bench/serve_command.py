@@ -21,6 +21,7 @@ import httpx
 from server.bench.dataset_flags import (
     add_dataset_flags,
     build_dataset,
+    burstiness,
     check_dataset_flags,
     dataset_config,
     non_negative_int,
@@ -105,6 +106,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="arrivals per second, a Poisson process; inf: all at once [default: inf]",
     )
     load.add_argument(
+        "--burstiness",
+        type=burstiness,
+        default=1.0,
+        help="with a finite --request-rate, the arrival gaps' gamma shape (mean 1 / rate): 1 is "
+        "Poisson, below 1 burstier, above 1 more even [default: 1.0]",
+    )
+    load.add_argument(
         "--ignore-eos",
         action="store_true",
         help="generate max_tokens even past end-of-sequence (vLLM's and llama.cpp's ignore_eos)",
@@ -182,6 +190,10 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     chat = endpoint.endswith("chat/completions")
     if args.backend is not None and (args.backend == "openai-chat") != chat:
         parser.error(f"--backend {args.backend} does not speak --endpoint {args.endpoint}")
+    if args.burstiness != 1.0 and math.isinf(args.request_rate):
+        parser.error(
+            "--burstiness shapes the gaps between arrivals: it needs a finite --request-rate"
+        )
     base = args.base_url or f"http://{args.host}:{args.port}"
     if not base.startswith("http://"):
         parser.error(f"--base-url must be an http:// URL, not {base!r}")
@@ -196,6 +208,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         endpoint=args.endpoint,
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,
+        burstiness=args.burstiness,
         seed=args.seed,
         timeout=args.timeout,
         request_timeout=args.request_timeout,

@@ -55,10 +55,18 @@ def warmup_workload(count: int, input_len: int, vocab_size: int, seed: int) -> l
     return make_workload(count, input_len, 4, 0.0, vocab_size, f"warmup-{seed}")
 
 
-def arrival_delays(count: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds to wait before each arrival (Poisson process); all zero for an infinite rate."""
+def arrival_delays(
+    count: int, request_rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
+    """Seconds to wait before each arrival; all zero for an infinite rate. The gaps are gamma
+    distributed with shape `burstiness` and mean 1 / rate (vLLM's --burstiness): 1 is a Poisson
+    process, below 1 arrivals bunch up (the gaps' coefficient of variation is 1 / sqrt(shape)),
+    above 1 they even out."""
     if math.isinf(request_rate):
         return [0.0] * count
     # Its own generator: changing the rate must not change the prompts.
     rng = random.Random(seed + 1_000_003)
-    return [rng.expovariate(request_rate) for _ in range(count)]
+    if burstiness == 1.0:  # the exponential draws, as before the flag existed
+        return [rng.expovariate(request_rate) for _ in range(count)]
+    scale = 1.0 / (request_rate * burstiness)
+    return [rng.gammavariate(burstiness, scale) for _ in range(count)]

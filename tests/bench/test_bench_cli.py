@@ -78,6 +78,8 @@ def test_vllm_flag_names_are_taken() -> None:
         (["--max-concurrency", "two"], "--max-concurrency: expected a whole number, got 'two'"),
         (["--request-rate", "0"], "--request-rate: must be above 0 (inf: all at once)"),
         (["--request-rate", "fast"], "expected requests per second or inf, got 'fast'"),
+        (["--burstiness", "0"], "--burstiness: must be a finite number above 0, got 0"),
+        (["--burstiness", "0.5"], "--burstiness shapes the gaps between arrivals: it needs a"),
         (["--dataset-name", "sharegpt"], "invalid choice: 'sharegpt'"),
         (["--dataset-name", "custom"], "--dataset-name custom needs --dataset-path"),
         (["--dataset-path", "p.jsonl"], "--dataset-path is read only with --dataset-name custom"),
