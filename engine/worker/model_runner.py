@@ -259,7 +259,7 @@ def build_runner(config: EngineConfig, spec: ModelSpec, shard: Shard) -> ModelRu
         count = quantize_int8(model)
         if shard.rank == 0:
             log.info("%d linear weights quantized to int8 (one scale per output row)", count)
-    if spec.quantize_activations == "auto":  # timed on the loaded weights, before packing
+    if spec.quantize_activations == "auto":  # timed on the loaded weights
         rows = sorted({1, min(16, config.scheduler.max_num_seqs)})
         timing = time_activations(model, spec.dtype, tuple(rows))
         use = timing is not None and timing.int8

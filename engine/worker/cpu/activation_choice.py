@@ -21,7 +21,6 @@ from engine.models.base import DecoderModel
 from engine.models.interface import CausalLM
 from engine.models.layers.linear import PackableLinear
 from engine.worker.cpu.activation_quant import takes_int8_activations
-from kernels.cpu import quant_linear
 from kernels.cpu.quant_layout import PackedWeight
 
 MARGIN = 0.9  # int8 activations' time over the exact path's, at most, to take them
@@ -74,6 +73,8 @@ def _shapes(model: DecoderModel) -> dict[tuple, tuple[PackedWeight, int]]:
 
 
 def _time_ms(weight: PackedWeight, x: torch.Tensor, int8: bool) -> float:
+    from kernels.cpu import quant_linear  # loads: auto reaches here only where int8 can run
+
     start = time.perf_counter()
     quant_linear.linear(x, weight, None, int8)
     return (time.perf_counter() - start) * 1e3
@@ -94,7 +95,7 @@ def time_activations(
             x = torch.randn(r, weight.k, generator=gen).to(dtype)
             best = {False: float("inf"), True: float("inf")}
             for flag in (False, True):  # warm each path once (first calls allocate)
-                quant_linear.linear(x, weight, None, flag)
+                _time_ms(weight, x, flag)
             for _ in range(PASSES):  # alternated, so that a busy moment slows both alike
                 for flag in (False, True):
                     best[flag] = min(best[flag], _time_ms(weight, x, flag))
