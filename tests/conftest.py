@@ -12,10 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import engine.loading.resolve
-from tests.support import tokenizer_cache
 from tests.support.models import build_random_model
-
-tokenizer_cache.install()
 
 
 # The oracle of the token-exact tests is transformers in float32, so the suite runs in float32
