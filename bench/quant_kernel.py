@@ -6,8 +6,9 @@ process so that a loaded machine slows them alike; the median pass per row count
 
     python bench/quant_kernel.py [--rows 1,4,8,16,32] [--passes 15] [--json out.json]
 
-Formats: bf16 (bf16_linear), int8 per-channel, Q8_0 (8-bit, groups of 32), Q4_1 (4-bit, groups
-of 32 with mins) and Q4_0 (4-bit, min -8 x scale); int8_i8, q8_0_i8, q4_1_i8 and q4_0_i8: the
+Formats: bf16 (bf16_linear), torch_bf16 (torch's F.linear: oneDNN, on AMX tiles where the CPU
+has them), int8 per-channel, Q8_0 (8-bit, groups of 32), Q4_1 (4-bit, groups of 32 with mins)
+and Q4_0 (4-bit, min -8 x scale); int8_i8, q8_0_i8, q4_1_i8 and q4_0_i8: the
 same weights with int8 activations (--quantize-activations int8: integer products, AVX512-VNNI).
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,7 +32,18 @@ from kernels.cpu.quant_layout import QuantizedWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
-FORMATS = ["bf16", "int8", "q8_0", "q4_1", "q4_0", "int8_i8", "q8_0_i8", "q4_1_i8", "q4_0_i8"]
+FORMATS = [
+    "bf16",
+    "torch_bf16",
+    "int8",
+    "q8_0",
+    "q4_1",
+    "q4_0",
+    "int8_i8",
+    "q8_0_i8",
+    "q4_1_i8",
+    "q4_0_i8",
+]
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,6 +60,9 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator) -> Linear:
     if fmt == "bf16":
         packed = bf16_linear.pack(weight.to(torch.bfloat16))
         return lambda x: bf16_linear.linear(x, packed, None)
+    if fmt == "torch_bf16":  # torch's own bf16 linear: oneDNN, on AMX tiles where the CPU has them
+        dense = weight.to(torch.bfloat16)
+        return lambda x: F.linear(x, dense)
     base = fmt.removesuffix("_i8")
     if base in ("int8", "q8_0"):
         qw = quant_layout.quantize(weight, None if base == "int8" else 32)

@@ -38,7 +38,8 @@
 // float64 formula on the rounded activations within float32 rounding
 // (tests/kernels/cpu/test_cpu_int8_activations.py), not the de-quantized matmul. Every
 // row count takes these 8-row tiles (integer products beat de-quantizing into bf16 past 64 rows
-// too), except, on a CPU with AMX, bf16 rows from kTileRows on (tiles_linear, either path). 8-bit weights (any int8 q, -128..127): `vpdpbusd` multiplies an unsigned byte by a signed
+// too), except, on a CPU with AMX, bf16 rows from kTileRows on (tiles_linear, either path).
+// 8-bit weights (any int8 q, -128..127): `vpdpbusd` multiplies an unsigned byte by a signed
 // one, so a quad's bytes are flipped at their top bit (one `vpxord` a quad, shared by a tile's
 // rows), q ^ 0x80 = q + 128 as an unsigned byte, and each block's int32 sums start at -128 x the
 // row's integer sum of the block's activations (computed once when the rows are rounded): they
@@ -533,13 +534,15 @@ AVX512_TARGET void item_prefill(int64_t rows, const at::BFloat16* x, const Weigh
 }
 
 #if defined(PAGEDSERVE_X86) && defined(__AMX_BF16__)
-// Many rows on a CPU with AMX: oneDNN multiplies bf16 on AMX tiles, 3-10x this file's vector code
-// from about 128 rows (bench/quant_kernel.py --rows 128,512,2048 on the default model's shapes:
-// the int8-activation path 2-3x and the exact one 9-10x slower than torch's bf16 linear). So
-// there the whole weight is de-quantized once into a plain [n, k] bf16 matrix (dequantize_bf16's
-// numbers, each weight rounded to bf16 as item_prefill rounds it) and handed to torch. With int8
+// Many rows on a CPU with AMX: oneDNN multiplies bf16 on AMX tiles, and this file's vector code
+// lost to it from about 128 rows (the default model's gate/up [3072, 576] at 2,048 rows: torch's
+// bf16 linear 5.2 ms, int8 activations 12.8-16.1, exact 48.3; 2-core Xeon with AMX). So there the
+// whole weight is de-quantized once into a plain bf16 matrix, transposed ([k, n]: dequantize_bf16's
+// numbers, each weight rounded to bf16 as item_prefill rounds it), and handed to torch. With int8
 // activations the rows are then not rounded: the de-quantized weights' product, more exact than
-// the path it replaces.
+// the path it replaces. After (bench/quant_kernel.py --rows 128,512,2048 --passes 5 --threads 2
+// --formats bf16,torch_bf16,q4_1,q4_1_i8,q8_0_i8, the default model's 120 linears): Q4_1 took
+// 1.6x torch_bf16's time at 128 rows, 1.08-1.18x at 512, 0.98-1.03x at 2,048.
 constexpr int64_t kTileRows = 128;
 
 template <int kBits>
@@ -998,12 +1001,12 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     TORCH_CHECK(!int8_activations || (k / groups) % kActBlock == 0,
                 "quant_linear: int8 activations are for weights in groups of a multiple of ", kActBlock,
                 " inputs");
+    // Bias and input sums are set below, for this file's own paths (tiles_linear adds the bias).
+    Weights w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr,
+              nullptr, nullptr, n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
 #if defined(PAGEDSERVE_X86) && defined(__AMX_BF16__)
     if (vector && vector_path() && x.scalar_type() == at::kBFloat16 && m >= kTileRows) {
-        const Weights plain{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
-                            mins ? mins->data_ptr<float>() : nullptr, nullptr, nullptr,
-                            n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
-        return tiles_linear(x, plain, four_bit, bias);
+        return tiles_linear(x, w, four_bit, bias);
     }
 #endif
     auto out = torch::empty({m, n}, x.options());
@@ -1042,9 +1045,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
             xsums[i / group] += xb != nullptr ? static_cast<float>(xb[i]) : xf[i];
         }
     }
-    const Weights w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr,
-                    bias ? bias->data_ptr<float>() : nullptr, need_xsums ? xsums.data() : nullptr,
-                    n, k, k / 2, groups, k / groups / 2, four_bit ? 16 : 32};
+    w.bias = bias ? bias->data_ptr<float>() : nullptr;
+    w.xsums = need_xsums ? xsums.data() : nullptr;
     if (int8_activations) {
         run_int8(ActRows{values.get(), act_scales.data(), four_bit ? nullptr : act_sums.data()}, m, w, out, vnni);
         return out;
