@@ -280,9 +280,10 @@ class StructuredOutputsConfig(_Strict):
     max_grammar_rules: int = Field(2000, ge=1, description="most rules in an EBNF grammar")
     json_whitespace: int = Field(
         0,
-        ge=0,
+        ge=-1,
         le=64,
-        description="whitespace characters a JSON constraint allows between tokens (0: none)",
+        description="whitespace characters a JSON constraint allows between tokens "
+        "(0: none; -1: any number, as vLLM)",
     )
     grammar_cache_mib: int = Field(
         256, ge=0, description="memory the compiled grammars kept for reuse may take"

@@ -152,10 +152,13 @@ class GrammarCompiler:
     def _whitespace(self) -> dict[str, Any]:
         """Compact JSON by default: with free whitespace a small model can spend its tokens on
         spaces and newlines. --json-whitespace N allows runs of up to N, for models that write
-        pretty-printed JSON better than compact (a bound, so that no output is only spaces)."""
+        pretty-printed JSON better than compact (a bound, so that no output is only spaces);
+        -1 allows runs of any length, as vLLM's default grammar does."""
         limit = self.limits.json_whitespace
         if limit == 0:
             return {"any_whitespace": False}
+        if limit < 0:
+            return {"any_whitespace": True}
         return {"any_whitespace": True, "max_whitespace_cnt": limit}
 
     def _json_or_text(self, schema: str) -> Any:

@@ -278,7 +278,7 @@ def accepts(grammar: Any, tokenizer: Any, text: str) -> bool:
 
 def test_json_allows_bounded_whitespace_or_none(qwen3_dir: Path) -> None:
     """By default a JSON constraint admits compact JSON only; with --json-whitespace 4, the
-    pretty-printed JSON too, at most 4 whitespace characters at a time."""
+    pretty-printed JSON too, at most 4 whitespace characters at a time; with -1, any run."""
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     schema = StructuredOutputsParams.json_schema(
         {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -291,14 +291,16 @@ def test_json_allows_bounded_whitespace_or_none(qwen3_dir: Path) -> None:
         )
         return compiler.compile(schema)
 
-    pretty, compact = grammar(4), grammar(0)
+    pretty, compact, unbounded = grammar(4), grammar(0), grammar(-1)
     assert accepts(pretty, tokenizer, '{\n  "a": 1\n}') and accepts(pretty, tokenizer, '{"a": 1}')
     assert not accepts(pretty, tokenizer, "{" + " " * 12 + '"a": 1}')
+    assert accepts(unbounded, tokenizer, "{" + " " * 12 + '"a": 1}')
+    assert accepts(unbounded, tokenizer, '{\n  "a": 1\n}')
     assert accepts(compact, tokenizer, '{"a": 1}')
     assert not accepts(compact, tokenizer, '{\n  "a": 1\n}')
 
 
-@pytest.mark.parametrize("whitespace", [0, 4])
+@pytest.mark.parametrize("whitespace", [0, 4, -1])
 def test_bounded_strings_admit_no_raw_control_character(qwen3_dir: Path, whitespace: int) -> None:
     """xgrammar's own rule for a string with maxLength lets a raw tab in, which JSON forbids
     (the random model wrote one): the bounds hold and control characters stay out."""
