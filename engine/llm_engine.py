@@ -16,7 +16,7 @@ import torch
 from config import ConfigError, EngineConfig
 from engine.async_scheduling import AppliedStep, PlannedStep, StepPipeline
 from engine.async_scheduling.choice import use_async_scheduling
-from engine.core.beam_search import BeamGroup, beam_group_for
+from engine.beam_search.steps import BeamSearches
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_failures import RequestFailures, describe
 from engine.core.scheduler import Scheduler
@@ -38,11 +38,9 @@ from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.image_inputs import ImageInputs
 from engine.multimodal.inputs import MultiModalInputs
 from engine.outputs import (
-    CompletionOutput,
     EmbeddingOutput,
     EngineOutput,
     PoolingRequestOutput,
-    RequestOutput,
 )
 from engine.pooling import PoolingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
@@ -221,15 +219,21 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._recorder = StatsRecorder()
+        speculating = self.speculator is not None
+        self.beams = BeamSearches(
+            self.requests,
+            self.scheduler,
+            self._recorder,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            speculating,
+        )
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
         self._pipeline: StepPipeline | None = None
         if self.async_scheduling:
-            self._pipeline = StepPipeline(self, self.executor.execute, self._has_beams)
+            self._pipeline = StepPipeline(self, self.executor.execute, self.beams.any_running)
         log.info("async scheduling %s", "on" if self.async_scheduling else "off")
-
-    def _has_beams(self) -> bool:
-        """A beam search is running or waiting: its steps run alone (async scheduling)."""
-        return any(r.beam is not None for r in self.requests.values())
 
     # ----------------------------------------------------------------- requests in
 
@@ -268,11 +272,7 @@ class LLMEngine:
         self.info.validate(prompt_ids, params)
         self.info.check_priority(priority)
         self.check_images(mm, params)
-        if params.use_beam_search and self.speculator is not None:
-            raise InvalidRequestError(
-                "beam search does not run with speculative decoding (--speculative-config)",
-                "use_beam_search",
-            )
+        self.beams.check(params)
         structured = params.structured_outputs
         return CheckedRequest(self.grammars.compile(structured) if structured else None)
 
@@ -334,7 +334,7 @@ class LLMEngine:
         beam = None
         if params.use_beam_search:  # one sequence to start: the group forks its beams
             sequences = sequences[:1]
-            beam = beam_group_for(sequences[0], self.vocab_size, self.max_model_len)
+            beam = self.beams.start(sequences[0])
         sequences[0].forks = sequences[1:]
         request = Request(
             request_id,
@@ -434,7 +434,7 @@ class LLMEngine:
         self._stop(request, "abort")
         self._recorder.finished(request, time.time())
         if request.beam is not None:  # the hypotheses finished so far, if any
-            return self._beam_output(request, request.beam)
+            return self.beams.output(request, request.beam)
         self._finish_unloads()
         if request.sequences[0].pooling is not None:
             return PoolingRequestOutput(request_id, request.prompt_token_ids, None)
@@ -545,7 +545,7 @@ class LLMEngine:
         out = step.out
         outputs = self._make_outputs(out.samplers, step.samples, step.failures)
         if out.has_beam_rows:
-            outputs.extend(self._beam_step(out, step.logits_rows, step.logits, step.failures))
+            outputs.extend(self.beams.step(out, step.logits_rows, step.logits, step.failures))
         outputs.extend(self._end_failed(step.failures))
         self._publish_kv_events()  # after the step wrote the blocks it stored, as vLLM does
         return outputs
@@ -607,80 +607,6 @@ class LLMEngine:
                     outputs.append(aborted)
         self.executor.forget_lora(request)
         return outputs
-
-    def _beam_step(
-        self,
-        out: SchedulerOutput,
-        logits_rows: list[tuple[int, int]],
-        logits: torch.Tensor,
-        failures: RequestFailures,
-    ) -> list[RequestOutput]:
-        """Hand each beam's last row to its group; a group with every row in takes its beam
-        step; a group that is done answers with its hypotheses."""
-        outputs = []
-        now = time.time()
-        for s, (first, count) in zip(out.scheduled, logits_rows):
-            if not s.beam_row:  # (another request may have finished and left this step)
-                continue
-            if failures.failed(s.seq.request_id):
-                continue
-            request = self.requests[s.seq.request_id]
-            group = request.beam
-            if group is None or not group.take_row(s.seq, logits[first + count - 1]):
-                continue
-            stepped = len(group.beams)  # each live beam generated a token this step
-            first = request.first_token_time is None
-            failures.run(request.request_id, partial(group.advance, self.scheduler))
-            if failures.failed(request.request_id):
-                continue
-            self._recorder.token(request, group.root, now, count=stepped)
-            if group.done:
-                outputs.append(self._beam_output(request, group))
-                self._recorder.finished(request, now)
-                del self.requests[request.request_id]
-            elif first:
-                # A search answers only at its end, but it has started: say so with an output
-                # of no choices, which ends its wait in the server's admission queue (whose
-                # --max-queue-time would otherwise drop a search longer than it).
-                outputs.append(
-                    RequestOutput(
-                        request_id=request.request_id,
-                        prompt=request.prompt,
-                        prompt_token_ids=request.prompt_token_ids,
-                        outputs=[],
-                        finished=False,
-                        num_cached_tokens=group.root.num_cached_tokens,
-                    )
-                )
-        return outputs
-
-    def _beam_output(self, request: Request, group: BeamGroup) -> RequestOutput:
-        params = group.root.params
-        outputs = []
-        for i, hyp in enumerate(group.finished):
-            # As for sampling, a stop token ends the text without being shown.
-            shown = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
-            text = str(self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens))
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=list(hyp.token_ids),
-                    finish_reason=hyp.finish_reason,
-                    stop_reason=hyp.stop_reason,
-                    text_delta=text,
-                    token_ids_delta=list(hyp.token_ids),
-                    cumulative_logprob=hyp.cumulative_logprob,
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            num_cached_tokens=group.root.num_cached_tokens,
-        )
 
     def _pool(self, out: SchedulerOutput, batch: HostBatch) -> list[PoolingRequestOutput]:
         """Every scheduled sequence ran whole: its embedding is done, and it finishes now, its
