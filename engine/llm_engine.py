@@ -37,12 +37,9 @@ from engine.models.registry import image_processing_of
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.image_inputs import ImageInputs
 from engine.multimodal.inputs import MultiModalInputs
-from engine.outputs import (
-    EmbeddingOutput,
-    EngineOutput,
-    PoolingRequestOutput,
-)
+from engine.outputs import EngineOutput, PoolingRequestOutput
 from engine.pooling import PoolingParams
+from engine.pooling_requests import PoolingRequests
 from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.processing.output_processor import failed_output, make_output, update_texts
 from engine.processing.request import Request, SequenceText
@@ -59,13 +56,10 @@ from engine.worker.kv_sizing import (
     fixed_pool_blocks,
     profiled_pool_blocks,
 )
-from engine.worker.model_input import HostBatch, build_step_batch
+from engine.worker.model_input import build_step_batch
 from engine.worker.sampler import Sampler, position_logprobs
 
 log = logging.getLogger(__name__)
-
-# What a pooling sequence carries where a generating one has its sampling: it samples nothing.
-_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 def _adapter_names(seqs: Iterable[Sequence]) -> list[str]:
@@ -97,7 +91,10 @@ class LLMEngine:
         if encoder:
             num_blocks: int | None = bookkeeping_blocks(config, self.max_model_len, self.block_size)
         else:
-            num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
+            full_batch = config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+            num_blocks = fixed_pool_blocks(
+                config, per_block, spec.device.startswith("cuda"), full_batch
+            )
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
         check_kv_offload(config, spec, draft_kv_bytes_per_block(config, spec))
@@ -229,6 +226,7 @@ class LLMEngine:
             self.max_model_len,
             speculating,
         )
+        self.pooling = PoolingRequests(self.requests, self.scheduler, self._recorder, spec.pooler)
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
         self._pipeline: StepPipeline | None = None
         if self.async_scheduling:
@@ -296,9 +294,7 @@ class LLMEngine:
         `lora_read`: the caller has just read it with `add_lora`, so it is not read again.
         `multi_modal`: the prompt's images, `prompt_token_ids` then holding their spans
         (`expand_images`)."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         if lora_request is not None and not lora_read:
             try:
                 self.add_lora(lora_request)
@@ -354,6 +350,13 @@ class LLMEngine:
         self.scheduler.add(sequences[0])
         return request_id
 
+    def _new_request_id(self, request_id: str | None) -> str:
+        """`request_id`, or a fresh one when None (InvalidRequestError if it is in use)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return request_id
+
     def prepare_lora(self, request: LoRARequest) -> PlacedAdapter:
         """Read and check an adapter's files without keeping it (LoRALoadError): it touches no
         state a step changes, so it runs on any thread, and the engine's thread need never wait
@@ -403,27 +406,13 @@ class LLMEngine:
         """Queue an input to embed: one sequence, scheduled whole in one step (never chunked),
         finished by that step, its blocks back in the pool after it. `checked`: the caller ran
         `info.validate_pooling` on it already."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if not checked:
             self.info.validate_pooling(prompt_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        seq = Sequence(
-            seq_id=request_id,
-            request_id=request_id,
-            index=0,
-            prompt_token_ids=prompt_ids,
-            params=_POOLING_SAMPLING,
-            arrival_time=arrival,
-            pooling=params,
-        )
         text = prompt if isinstance(prompt, str) else None
-        self.requests[request_id] = Request(
-            request_id, text, prompt_ids, [seq], arrival_time=arrival
-        )
-        self.scheduler.add(seq)
+        self.pooling.add(request_id, text, prompt_ids, params, arrival)
         return request_id
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
@@ -490,7 +479,7 @@ class LLMEngine:
             self._publish_kv_events()
             return step
         if self.pooler is not None:
-            return list(self._pool(step.out, step.batch.host))
+            return list(self.pooling.finish(step.out, self.executor.embed(step.batch.host)))
         logits = self.executor.execute(step.batch.host)
         if self.offload is not None:  # the blocks this step wrote, before any is reused
             self.offload.store(self.kv.take_offload_stores())
@@ -606,34 +595,6 @@ class LLMEngine:
                 if aborted is not None:
                     outputs.append(aborted)
         self.executor.forget_lora(request)
-        return outputs
-
-    def _pool(self, out: SchedulerOutput, batch: HostBatch) -> list[PoolingRequestOutput]:
-        """Every scheduled sequence ran whole: its embedding is done, and it finishes now, its
-        blocks back in the pool before the next step."""
-        embeddings = self.executor.embed(batch)
-        now = time.time()
-        outputs = []
-        for s, embedding in zip(out.scheduled, embeddings, strict=True):
-            seq = s.seq
-            assert seq.pooling is not None and s.num_new_tokens == seq.num_tokens
-            seq.num_computed_tokens += s.num_new_tokens
-            seq.num_inflight_tokens -= s.num_new_tokens
-            seq.finish_reason = "stop"
-            self.scheduler.finish(seq)
-            request = self.requests.pop(seq.request_id)
-            self._recorder.pooled(request, now)
-            self._recorder.finished(request, now)
-            dims = seq.pooling.dimensions
-            if dims is not None:  # a Matryoshka prefix, itself normalized as the whole was
-                embedding = embedding[:dims]
-                if self.pooler is not None and self.pooler.normalize:
-                    embedding = torch.nn.functional.normalize(embedding, dim=0)
-            outputs.append(
-                PoolingRequestOutput(
-                    request.request_id, request.prompt_token_ids, EmbeddingOutput(embedding)
-                )
-            )
         return outputs
 
     def _publish_kv_events(self) -> None:
