@@ -57,7 +57,8 @@ from engine.worker.kv_sizing import (
     profiled_pool_blocks,
 )
 from engine.worker.model_input import build_step_batch
-from engine.worker.sampler import Sampler, position_logprobs
+from engine.worker.sampler import Sampler
+from engine.worker.step_sampling import record_prompt_logprobs, sample_step
 
 log = logging.getLogger(__name__)
 
@@ -518,8 +519,8 @@ class LLMEngine:
         out, rows = step.live()
         # From here on the work is per request: one that raises ends alone, with an error.
         failures = RequestFailures()
-        self._record_prompt_logprobs(out, rows, logits, failures)
-        samples = self._sample(out, rows, logits, failures)
+        record_prompt_logprobs(out, rows, logits, failures)
+        samples = sample_step(self.sampler, out, rows, logits, failures)
         self.scheduler.update_from_output(out, samples, self.max_model_len, failures)
         # Each sampler's tokens: one, or (speculative decoding) its drafts accepted and one more.
         taken = {id(seq): [] if s is None else [s] for seq, s in zip(out.samplers, samples)}
@@ -601,39 +602,6 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
 
-    def _sample(
-        self,
-        out: SchedulerOutput,
-        logits_rows: list[tuple[int, int]],
-        logits: torch.Tensor,
-        failures: RequestFailures,
-    ) -> list[Sample | None]:
-        """Each sampler's token from its sequence's last row (siblings share their parent's);
-        None for a sampler whose request failed."""
-        # The row after the sequence's own tokens (drafts' rows, if any, come after it).
-        rows = [
-            logits[first + count - 1 - len(s.draft_token_ids)]
-            for s, (first, count) in zip(out.scheduled, logits_rows)
-            for _ in s.samplers
-        ]
-        if not rows:
-            return []
-        seqs = out.samplers
-        try:
-            return self.sampler.sample_or_fail(
-                torch.stack(rows), seqs, lambda i, exc: failures.add(seqs[i].request_id, exc)
-            )
-        except Exception:  # noqa: BLE001 - work shared by the rows raised: each alone says whose
-            # (before any row drew a random number: sampled again, each row draws as it would)
-            log.warning("sampling the step's rows together failed; sampling each row alone")
-            return [
-                failures.run(seq.request_id, partial(self._sample_one, row, seq))
-                for row, seq in zip(rows, seqs)
-            ]
-
-    def _sample_one(self, row: torch.Tensor, seq: Sequence) -> Sample:
-        return self.sampler(row.unsqueeze(0).clone(), [seq])[0]
-
     def _make_outputs(
         self, seqs: list[Sequence], samples: list[list[Sample]], failures: RequestFailures
     ) -> list[EngineOutput]:
@@ -696,29 +664,3 @@ class LLMEngine:
             stats.running_loras = _adapter_names(scheduler.running)
             stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
-
-    def _record_prompt_logprobs(
-        self,
-        out: SchedulerOutput,
-        logits_rows: list[tuple[int, int]],
-        logits: torch.Tensor,
-        failures: RequestFailures,
-    ) -> None:
-        for s, (first, count) in zip(out.scheduled, logits_rows):
-            if s.seq.wants_prompt_logprobs:
-                failures.run(
-                    s.seq.request_id,
-                    partial(_add_prompt_logprobs, s.seq, logits[first : first + count]),
-                )
-
-
-def _add_prompt_logprobs(seq: Sequence, rows: torch.Tensor) -> None:
-    """Row j of a chunk sits at position p = num_computed + j and predicts prompt token p + 1."""
-    assert seq.prompt_logprobs is not None
-    logprobs = torch.log_softmax(rows, dim=-1)
-    top_n = seq.params.prompt_logprobs or 0
-    for j in range(rows.shape[0]):
-        target = seq.num_computed_tokens + j + 1
-        if target == len(seq.prompt_logprobs) and target < seq.num_prompt_tokens:
-            token = seq.prompt_token_ids[target]
-            seq.prompt_logprobs.append(position_logprobs(logprobs[j], token, top_n))
