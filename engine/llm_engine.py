@@ -29,7 +29,7 @@ from engine.kv_events.wire import CacheSpec
 from engine.kv_offload import KVOffloadConnector, check_kv_offload, make_kv_offload
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
-from engine.lora.assignment import SlotAssignment
+from engine.lora.adapters import LoRAAdapters
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
 from engine.lora.slots import PlacedAdapter
@@ -195,9 +195,7 @@ class LLMEngine:
             record_events=self.kv_events is not None,
             offload=self.offload,
         )
-        self.loras = SlotAssignment(max_loras) if max_loras is not None else None
-        # Adapters unloaded while requests still ran under them: dropped when the last ends.
-        self._unloading: set[LoRARequest] = set()
+        self.loras = LoRAAdapters(max_loras, self.executor) if max_loras is not None else None
         # Images in prompts: the model's processing (placeholders into spans) and the cache
         # of its encoder's outputs.
         self.images: ImageInputs | None = None
@@ -372,8 +370,7 @@ class LLMEngine:
         what `prepare_lora` read, kept without reading the files again."""
         if self.loras is None:
             raise InvalidRequestError("LoRA adapters need --enable-lora", param="model")
-        self.executor.read_lora(request, prepared)
-        self._unloading.discard(request)  # served again: no longer to be dropped
+        self.loras.add(request, prepared)
 
     def remove_lora(self, request: LoRARequest) -> None:
         """Forget an adapter's host copy and slot; requests running under it still finish
@@ -381,19 +378,16 @@ class LLMEngine:
         when the last of them ends."""
         if self.loras is None:
             return
-        self._unloading.add(request)
+        self.loras.remove(request)
         self._finish_unloads()
 
     def _finish_unloads(self) -> None:
         """Drop every unloaded adapter that no request runs or waits under any more."""
-        if not self._unloading or self.loras is None:
+        if self.loras is None or not self.loras.unloading:
             return
-        busy = {seq.lora for seq in (*self.scheduler.running, *self.scheduler.waiting)}
-        for request in self._unloading - busy:
-            self._unloading.discard(request)
-            self.loras.drop(request)
-            self.executor.forget_lora(request)
-            self._recorder.unloaded_adapter(request.lora_name)
+        busy = [seq.lora for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+        for name in self.loras.drop_unloaded(busy):
+            self._recorder.unloaded_adapter(name)
 
     def add_pooling_request(
         self,
@@ -500,11 +494,11 @@ class LLMEngine:
             return []
         slot_of = None
         if self.loras is not None:
-            loras = self.loras
-            broken = self._place_loras(loras, out)
+            assignment = self.loras.assignment
+            broken = self.loras.place({s.seq.lora for s in out.scheduled if s.seq.lora is not None})
             if broken is not None:
                 return self._drop_adapter(broken, out)
-            slot_of = lambda seq: loras.slot_of(seq.lora)  # noqa: E731
+            slot_of = lambda seq: assignment.slot_of(seq.lora)  # noqa: E731
         self._recorder.scheduled(
             [self.requests[s.seq.request_id] for s in out.scheduled], out.num_tokens, time.time()
         )
@@ -558,23 +552,6 @@ class LLMEngine:
             self._recorder.finished(request, now, finish_reason="error")
             outputs.append(failed_output(request, describe(exc)))
         return outputs
-
-    def _place_loras(
-        self, loras: SlotAssignment, out: SchedulerOutput
-    ) -> tuple[LoRARequest, LoRALoadError] | None:
-        """Every adapter of the step in a slot; the adapter that could not be loaded (its
-        folder gone or changed since it was checked, its host copy dropped) and why."""
-        loading: list[LoRARequest] = []
-
-        def load(slot: int, request: LoRARequest) -> None:
-            loading.append(request)
-            self.executor.load_lora(slot, request)
-
-        try:
-            loras.place({s.seq.lora for s in out.scheduled if s.seq.lora is not None}, load)
-        except LoRALoadError as exc:
-            return loading[-1], exc
-        return None
 
     def _drop_adapter(
         self, broken: tuple[LoRARequest, LoRALoadError], out: SchedulerOutput

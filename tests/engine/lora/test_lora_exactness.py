@@ -158,7 +158,7 @@ def test_removing_an_adapter_in_use_lets_its_requests_finish(llm, adapters, prom
                 tokens[out.request_id] = out.outputs[0].token_ids
     assert tokens == {"held": references["b"][2]}
     engine.remove_lora(adapters["b"])  # idle now: its slot and host copy go
-    assert adapters["b"] not in engine.loras.slots
+    assert adapters["b"] not in engine.loras.assignment.slots
 
 
 def test_an_adapter_that_fails_to_reload_ends_only_its_requests(

@@ -42,11 +42,11 @@ def test_an_adapter_unloaded_in_use_is_dropped_when_its_last_request_ends(
     engine.step()
     engine.remove_lora(lora)
     host = engine.executor.runner.lora
-    assert lora in host.cache and engine.loras.slots == [lora]  # still in use
+    assert lora in host.cache and engine.loras.assignment.slots == [lora]  # still in use
     engine.abort_request("r1")
     assert lora in host.cache  # r2 still runs under it
     assert finish_all(engine).keys() == {"r2"}
-    assert lora not in host.cache and engine.loras.slots == [None]
+    assert lora not in host.cache and engine.loras.assignment.slots == [None]
     assert engine.take_stats().unloaded_loras == ["a"]  # its metrics series go too
 
 
