@@ -69,4 +69,4 @@ test: install-dev lint
 	$(BIN)/python -m pytest -q --durations=30
 
 bench: install-dev
-	$(BIN)/python bench/offline_throughput.py
+	$(BIN)/python bench/serving/offline_throughput.py

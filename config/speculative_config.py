@@ -19,7 +19,7 @@ from config.json_settings import parse_json_settings
 _NOT_SERVED = ("eagle", "medusa", "mlp_speculator", "mtp", "suffix")
 
 # Speculation is off in a step with more running sequences than this, unless the config says
-# otherwise. Measured on the CPU (bench/spec_decode.py --always, n-gram, k=4): on open-ended
+# otherwise. Measured on the CPU (bench/models/spec_decode.py --always, n-gram, k=4): on open-ended
 # answers 1.0x at 16 running, 0.91x at 32, 0.73x at 64; on answers that copy their prompt still
 # 1.38x at 16.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16

@@ -107,7 +107,7 @@ def flat_decoder(
     Where that decode is the Rust tokenizer's and nothing else (a fast tokenizer that does not
     override its decode, with no space clean-up to apply), the function calls the Rust tokenizer
     directly: transformers' wrapper around it (argument conversion, batch checks) costs several
-    times the decode, and a stream decodes twice per token (bench/host_step.py)."""
+    times the decode, and a stream decodes twice per token (bench/cpu/host_step.py)."""
     direct = isinstance(tokenizer, PreTrainedTokenizerFast) and (
         type(tokenizer)._decode is PreTrainedTokenizerFast._decode
     )

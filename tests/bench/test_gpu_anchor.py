@@ -1,4 +1,4 @@
-"""The GPU check's anchor run (bench/gpu_anchor.py): its JSON from whole and partial parts, the
+"""The GPU check's anchor run (bench/gpu/gpu_anchor.py): its JSON from whole and partial parts, the
 kernel count's choice of number, the server flags it derives, and the whole pipeline dry-run on
 the CPU with a tiny model, so that every code path the GPU machine runs has run here first."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.decode_kernels import kernels_per_step
-from bench.gpu_anchor import assemble, cli_flags, finite, parse_args, slug
+from bench.cpu.decode_kernels import kernels_per_step
+from bench.gpu.gpu_anchor import assemble, cli_flags, finite, parse_args, slug
 from server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def test_the_dry_run_goes_through_every_stage_on_the_cpu(tmp_path: Path) -> None
     """The whole pipeline as the GPU machine runs it: build, offline engine with its kernel count
     and decode table, the server under load, the count with the fused kernels off; the JSON."""
     cmd = [
-        sys.executable, "bench/gpu_anchor.py", "--tiny", "--results-dir", str(tmp_path),
+        sys.executable, "bench/gpu/gpu_anchor.py", "--tiny", "--results-dir", str(tmp_path),
         "--num-prompts", "6", "--concurrency", "3", "--warmup", "1", "--decode-batches", "1,4",
         "--decode-steps", "2", "--kernel-batch", "2",
     ]  # fmt: skip
@@ -234,7 +234,7 @@ def test_the_dry_run_goes_through_every_stage_on_the_cpu(tmp_path: Path) -> None
 
 def test_a_run_out_of_time_still_writes_its_json(tmp_path: Path) -> None:
     """The time limit cuts the very first stage: nothing measured, the file still lands, exit 1."""
-    cmd = [sys.executable, "bench/gpu_anchor.py", "--tiny", "--results-dir", str(tmp_path)]
+    cmd = [sys.executable, "bench/gpu/gpu_anchor.py", "--tiny", "--results-dir", str(tmp_path)]
     done = subprocess.run(
         [*cmd, "--time-limit-s", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )

@@ -1,4 +1,4 @@
-"""On a CUDA GPU (skipped without one; bench/gpu_check.sh runs these): every attention backend
+"""On a CUDA GPU (skipped without one; bench/gpu/gpu_check.sh runs these): every attention backend
 that can run there against the torch reference, greedy tokens against transformers (float32
 exactly, bfloat16 within transformers' own bfloat16 error), replayed CUDA graphs against eager
 decode, sampling on the device, and the KV pool sized from --gpu-memory-utilization.

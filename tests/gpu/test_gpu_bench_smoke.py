@@ -1,6 +1,6 @@
-"""bench/gpu_bench.py --tiny end to end on the CPU: every code path of the GPU benchmark but the
+"""bench/gpu/gpu_bench.py --tiny end to end on the CPU: every code path of the GPU benchmark but the
 CUDA-only ones (a CPU copy stands in for the device copy), in its worker processes. And
-bench/gpu_check.sh at least parses."""
+bench/gpu/gpu_check.sh at least parses."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_gpu_bench_tiny_runs_every_stage(tmp_path: Path) -> None:
         # One model: the second runs the same code on another shape, for twice the time.
         [
             sys.executable,
-            "bench/gpu_bench.py",
+            "bench/gpu/gpu_bench.py",
             "--tiny",
             "--models",
             "qwen3-0.6b",
@@ -61,4 +61,4 @@ def test_gpu_bench_tiny_runs_every_stage(tmp_path: Path) -> None:
 
 
 def test_gpu_check_script_parses() -> None:
-    subprocess.run(["bash", "-n", "bench/gpu_check.sh"], cwd=REPO, check=True)
+    subprocess.run(["bash", "-n", "bench/gpu/gpu_check.sh"], cwd=REPO, check=True)

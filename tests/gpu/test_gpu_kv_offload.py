@@ -1,4 +1,4 @@
-"""The KV offload tiers on a CUDA GPU (skipped without one; bench/gpu_check.sh runs these):
+"""The KV offload tiers on a CUDA GPU (skipped without one; bench/gpu/gpu_check.sh runs these):
 blocks copied out into pinned host tensors and back into other pool blocks with no
 synchronization but the stream's order, their sources overwritten right after (a copy taken
 late reads the new values), and an engine whose pool is too small giving the large pool's

@@ -1,4 +1,4 @@
-"""Pooling on a CUDA GPU (skipped without one; bench/gpu_check.sh runs these): a random-weight
+"""Pooling on a CUDA GPU (skipped without one; bench/gpu/gpu_check.sh runs these): a random-weight
 BERT equal to transformers in float32 and within cosine 0.999 in bfloat16, and decoder pooling
 through the GPU's paged attention backend equal to transformers' hidden states."""
 

@@ -1,4 +1,4 @@
-"""On a CUDA GPU (skipped without one; bench/gpu_check.sh runs it): every speculative method
+"""On a CUDA GPU (skipped without one; bench/gpu/gpu_check.sh runs it): every speculative method
 gives the greedy tokens the engine gives without it, float32, Triton attention, a pool that
 preempts and a budget that chunks; the target as its own draft has every guess accepted."""
 

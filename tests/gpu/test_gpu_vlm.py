@@ -1,4 +1,4 @@
-"""On a CUDA GPU (skipped without one; bench/gpu_check.sh runs it): a vision-language model's
+"""On a CUDA GPU (skipped without one; bench/gpu/gpu_check.sh runs it): a vision-language model's
 greedy tokens equal transformers' on the same device (float32, Triton attention), with images
 in chunks that cut their spans, a pool that preempts, and a repeated image served from the
 encoder cache."""

@@ -1,6 +1,6 @@
 """A stream whose reader falls behind gets several tokens per event, and not one is lost.
 
-The server runs over the benchmark's stand-in engine (bench/standin_engine.py: the real bridge,
+The server runs over the benchmark's stand-in engine (bench/serving/standin_engine.py: the real bridge,
 real outputs and detokenizer on the default model's tokenizer) stepping as fast as its thread
 can: tokens come faster than the frontend can send one event each, as they do from a GPU at
 hundreds of streams. The official client reads slowly on top of that. Every streamed answer is
@@ -23,7 +23,7 @@ from config import ServerConfig
 from engine.async_engine import AsyncEngine
 from tests.support.server_harness import RunningServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "serving"))
 from standin_engine import start_standin
 
 MODEL = "standin"
