@@ -26,7 +26,7 @@ def async_off_reason(config: EngineConfig, spec: ModelSpec) -> str | None:
 def use_async_scheduling(config: EngineConfig, spec: ModelSpec) -> bool:
     """--async-scheduling as asked (ConfigError where it cannot be); unset: on for CUDA, where
     the host's work per step is worth hiding, and off on the CPU, where the model's forward and
-    the host's work share the same cores (bench/README.md, "Async scheduling")."""
+    the host's work share the same cores (bench/results/async-scheduling-2026-11-28.md)."""
     asked = config.scheduler.async_scheduling
     off = async_off_reason(config, spec)
     if asked and off is not None:
