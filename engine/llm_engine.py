@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -61,10 +60,6 @@ from engine.worker.sampler import Sampler
 from engine.worker.step_sampling import record_prompt_logprobs, sample_step
 
 log = logging.getLogger(__name__)
-
-
-def _adapter_names(seqs: Iterable[Sequence]) -> list[str]:
-    return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})
 
 
 @dataclass(frozen=True)
@@ -613,28 +608,13 @@ class LLMEngine:
 
     def take_stats(self) -> EngineStats:
         """What happened since the previous call, with the running/waiting/KV state now."""
-        stats = self._recorder.take()
-        scheduler = self.scheduler
-        counters = scheduler.take_counters()
-        stats.num_preemptions = counters.num_preemptions
-        stats.preemptions_by_reason = dict(counters.preemptions_by_reason)
-        stats.prefix_cache_queries = counters.prefix_cache_queries
-        stats.prefix_cache_hits = counters.prefix_cache_hits
-        stats.external_prefix_cache_queries = counters.external_prefix_cache_queries
-        stats.external_prefix_cache_hits = counters.external_prefix_cache_hits
+        stats = self._recorder.take(self.scheduler, with_adapters=self.loras is not None)
         if self.offload is not None:
             stats.kv_offload = self.offload.take_stats()
-        stats.num_running = len(scheduler.running)
-        stats.num_waiting = len(scheduler.waiting)
-        stats.kv_cache_usage = self.kv.usage()
-        stats.num_free_blocks = self.kv.pool.num_free
         if self.speculator is not None:
             stats.spec_decode = self.speculator.take_stats()
         if self.images is not None:
             self.images.record(stats)
         if self.kv_events is not None:
             stats.kv_events_dropped = self.kv_events.take_dropped()
-        if self.loras is not None:
-            stats.running_loras = _adapter_names(scheduler.running)
-            stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats

@@ -1,11 +1,12 @@
 """Recording, on the engine thread, what the metrics are made of: each step's tokens, each
 request's first scheduling, its tokens and its end, into the `EngineStats` that `take` hands
-over and starts afresh."""
+over (with the scheduler's counts and state) and starts afresh."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.processing.request import Request
 from engine.stats import EngineStats, FinishedRequest
@@ -15,9 +16,24 @@ class StatsRecorder:
     def __init__(self) -> None:
         self.stats = EngineStats()
 
-    def take(self) -> EngineStats:
-        """What was recorded since the previous call."""
+    def take(self, scheduler: Scheduler, with_adapters: bool) -> EngineStats:
+        """What was recorded and what the scheduler counted since the previous call, with the
+        running/waiting/KV state now; `with_adapters`: the adapters running and waiting too."""
         stats, self.stats = self.stats, EngineStats()
+        counters = scheduler.take_counters()
+        stats.num_preemptions = counters.num_preemptions
+        stats.preemptions_by_reason = dict(counters.preemptions_by_reason)
+        stats.prefix_cache_queries = counters.prefix_cache_queries
+        stats.prefix_cache_hits = counters.prefix_cache_hits
+        stats.external_prefix_cache_queries = counters.external_prefix_cache_queries
+        stats.external_prefix_cache_hits = counters.external_prefix_cache_hits
+        stats.num_running = len(scheduler.running)
+        stats.num_waiting = len(scheduler.waiting)
+        stats.kv_cache_usage = scheduler.kv.usage()
+        stats.num_free_blocks = scheduler.kv.pool.num_free
+        if with_adapters:
+            stats.running_loras = _adapter_names(scheduler.running)
+            stats.waiting_loras = _adapter_names(scheduler.waiting)
         return stats
 
     def scheduled(self, requests: Iterable[Request], num_tokens: int, now: float) -> None:
@@ -76,3 +92,7 @@ class StatsRecorder:
                 lora_name=lora.lora_name if (lora := request.sequences[0].lora) else None,
             )
         )
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> list[str]:
+    return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})
