@@ -176,7 +176,7 @@ class KVCacheManager:
         """The (block, hash) pairs registered since the last call whose K/V the step that just
         ran has written: a block the step gave back unwritten (`unregister_step`) is left out."""
         new, self._offload_new = self._offload_new, []
-        return [(b, h) for b, h in new if self.pool.blocks[b].block_hash == h]
+        return [(b, h) for b, h in new if self.pool.block_hash[b] == h]
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
@@ -194,9 +194,9 @@ class KVCacheManager:
         cow = (
             start % bs != 0
             and num_new_tokens > 0
-            and self.pool.blocks[table[start // bs]].ref_cnt > 1
+            and self.pool.ref_cnt[table[start // bs]] > 1
         )
-        revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        revived = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if num_new_blocks + int(cow) + revived > self.pool.num_free:
             return None
         for block_id in computed_blocks:

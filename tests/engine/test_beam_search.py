@@ -285,7 +285,7 @@ def test_beams_hold_the_prompts_full_blocks_once(small_vocab_qwen3_dir: Path) ->
             if len(live) == k:
                 # Every beam's table starts with the same 37 blocks, each referenced k times.
                 assert all(t[:full] == live[0][:full] for t in live)
-                assert all(kv.pool.blocks[b].ref_cnt == k for b in live[0][:full])
+                assert all(kv.pool.ref_cnt[b] == k for b in live[0][:full])
     finally:
         del engine.scheduler.schedule
     (result,) = outputs

@@ -83,8 +83,8 @@ def test_siblings_share_full_blocks_and_copy_the_partial_one(llm: LLM) -> None:
         tables = [kv.tables[i] for i in ids]
         assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 2
         full, partial = tables[0]
-        assert kv.pool.blocks[full].ref_cnt == 3
-        assert kv.pool.blocks[partial].ref_cnt == 3
+        assert kv.pool.ref_cnt[full] == 3
+        assert kv.pool.ref_cnt[partial] == 3
         assert outputs[-1].block_copies == []
 
         # The first decode step writes into the shared partial block: the first two writers
@@ -95,14 +95,14 @@ def test_siblings_share_full_blocks_and_copy_the_partial_one(llm: LLM) -> None:
         privates = [dst for _, dst in copies]
         assert [kv.tables[i][1] for i in ids] == [*privates, partial]
         assert len({partial, *privates}) == 3 and full not in privates
-        assert all(kv.pool.blocks[b].ref_cnt == 1 for b in (partial, *privates))
+        assert all(kv.pool.ref_cnt[b] == 1 for b in (partial, *privates))
 
         final: RequestOutput | None = None
         while engine.has_unfinished_requests():
             running = [i for i in ids if kv.tables.get(i)]
             if running:
                 # The full prompt block stays shared by every sibling still running.
-                assert kv.pool.blocks[full].ref_cnt == len(running)
+                assert kv.pool.ref_cnt[full] == len(running)
                 assert all(kv.tables[i][0] == full for i in running)
             for out in engine.step():
                 final = out

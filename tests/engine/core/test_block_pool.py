@@ -27,7 +27,7 @@ def test_allocate_gives_distinct_blocks_with_one_reference() -> None:
     pool = BlockPool(5, enable_caching=False)
     ids = pool.allocate(3) + pool.allocate(2)
     assert sorted(ids) == list(range(5))
-    assert all(pool.blocks[b].ref_cnt == 1 for b in ids)
+    assert all(pool.ref_cnt[b] == 1 for b in ids)
     assert pool.num_free == 0
     assert pool.usage() == 1.0
     with pytest.raises(NoFreeBlocksError):
@@ -72,7 +72,7 @@ def test_eviction_drops_the_hash_so_lookup_misses() -> None:
     (block_id,) = pool.allocate(1)
     assert block_id == 0
     assert pool.lookup(h(0)) is None
-    assert pool.blocks[0].block_hash is None
+    assert pool.block_hash[0] is None
     assert pool.lookup(h(1)) == 1
     # The evicted block is now plain: released again, it is a plain free block, not a cached one.
     pool.release([0])
@@ -87,7 +87,7 @@ def test_a_hit_takes_a_cached_free_block_out_of_the_free_set() -> None:
     hit = pool.lookup(h(1))
     assert hit == 1
     pool.take(hit)
-    assert pool.blocks[1].ref_cnt == 1
+    assert pool.ref_cnt[1] == 1
     assert pool.num_free == 2
     pool.check_consistency({1: 1})
     # The taken block can no longer be handed out: two allocations evict 0 and 2, never 1.
@@ -112,7 +112,7 @@ def test_take_on_a_block_in_use_adds_a_reference() -> None:
     pool = BlockPool(2, enable_caching=False)
     (block_id,) = pool.allocate(1)
     pool.take(block_id)
-    assert pool.blocks[block_id].ref_cnt == 2
+    assert pool.ref_cnt[block_id] == 2
     pool.release([block_id])
     assert pool.num_free == 1
     pool.release([block_id])
@@ -135,7 +135,7 @@ def test_first_block_cached_under_a_hash_wins() -> None:
     pool.cache(a, h(7))
     pool.cache(b, h(7))
     assert pool.lookup(h(7)) == a
-    assert pool.blocks[b].block_hash is None
+    assert pool.block_hash[b] is None
     # A block keeps its first hash.
     pool.cache(a, h(8))
     assert pool.lookup(h(8)) is None
@@ -151,7 +151,7 @@ def test_caching_disabled_never_registers() -> None:
     (block_id,) = pool.allocate(1)
     pool.cache(block_id, h(1))
     assert pool.lookup(h(1)) is None
-    assert pool.blocks[block_id].block_hash is None
+    assert pool.block_hash[block_id] is None
 
 
 def test_check_consistency_catches_a_wrong_ref_count() -> None:

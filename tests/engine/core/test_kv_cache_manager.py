@@ -58,7 +58,7 @@ class Sim:
         pool = self.kv.pool
         return (
             {rid: list(t) for rid, t in self.kv.tables.items() if t},
-            [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+            list(zip(pool.ref_cnt, pool.block_hash)),
             pool.num_free,
             list(self.kv.pending_copies),
         )
@@ -68,11 +68,11 @@ class Sim:
         hits = hits or []
         pool = self.kv.pool
         before = self._state()
-        free_before = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        free_before = {b for b, refs in enumerate(pool.ref_cnt) if refs == 0}
         old_table = list(self.kv.block_table(req))
         start = req.num_computed_tokens + len(hits) * self.bs
         shared_partial = None
-        if start % self.bs and num_new > 0 and pool.blocks[old_table[start // self.bs]].ref_cnt > 1:
+        if start % self.bs and num_new > 0 and pool.ref_cnt[old_table[start // self.bs]] > 1:
             shared_partial = old_table[start // self.bs]
 
         if self.kv.allocate_slots(req, num_new, hits or None) is None:
@@ -91,7 +91,7 @@ class Sim:
             # Copy-on-write: the writer gets a private block holding a copy of the shared one.
             (private,) = [b for b in new_blocks if b == table[start // self.bs]]
             assert copies == [(shared_partial, private)]
-            assert pool.blocks[private].ref_cnt == 1
+            assert pool.ref_cnt[private] == 1
             self.num_copies += 1
         for src, dst in copies:
             self.slots[dst] = list(self.slots[src])
@@ -119,11 +119,11 @@ class Sim:
         # Like n > 1: the child starts from everything the parent has computed.
         assert parent.num_computed_tokens == parent.num_tokens
         child = self.new_sequence(parent.all_token_ids)
-        refs = [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[parent.seq_id]]
+        refs = [self.kv.pool.ref_cnt[b] for b in self.kv.tables[parent.seq_id]]
         self.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         assert self.kv.tables[child.seq_id] == self.kv.tables[parent.seq_id]
-        assert [self.kv.pool.blocks[b].ref_cnt for b in self.kv.tables[child.seq_id]] == [
+        assert [self.kv.pool.ref_cnt[b] for b in self.kv.tables[child.seq_id]] == [
             r + 1 for r in refs
         ]
         self.live[child.seq_id] = child
@@ -147,11 +147,11 @@ class Sim:
                 holders[b] = holders.get(b, 0) + 1
             if table:
                 assert rid in self.live
-        for b in pool.blocks:
+        for b, refs in enumerate(pool.ref_cnt):
             # A block in two tables is shared: its ref count is its number of holders.
-            assert b.ref_cnt == holders.get(b.block_id, 0)
+            assert refs == holders.get(b, 0)
         assert pool.num_free + len(holders) == self.num_blocks
-        assert pool.num_free == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+        assert pool.num_free == pool.ref_cnt.count(0)
         for req in self.live.values():
             table = self.kv.tables[req.seq_id]
             assert len(table) == -(-req.num_computed_tokens // self.bs)
@@ -231,7 +231,7 @@ def test_random_operations_keep_tables_pool_and_contents_consistent(
     for req in sim.waiting:
         sim.kv.free(req)
     assert sim.kv.pool.num_free == num_blocks
-    assert all(b.ref_cnt == 0 for b in sim.kv.pool.blocks)
+    assert not any(sim.kv.pool.ref_cnt)
     assert sim.kv.tables == {}
     assert sim.kv.pending_copies == []
     sim.kv.check_consistency()
@@ -290,7 +290,7 @@ def test_hits_survive_the_owner_finishing_and_are_revived_from_the_free_pool() -
     second.num_computed_tokens = 0
     assert kv.allocate_slots(second, 2, hits) is not None
     assert kv.tables["b"][:2] == full_blocks
-    assert [kv.pool.blocks[b].ref_cnt for b in full_blocks] == [1, 1]
+    assert [kv.pool.ref_cnt[b] for b in full_blocks] == [1, 1]
     assert kv.pool.num_free == 1
     kv.check_consistency()
 
@@ -307,7 +307,7 @@ def test_revived_blocks_count_against_the_free_pool() -> None:
     # 2 revived + 2 new blocks for the 3 remaining tokens > 3 free blocks.
     assert kv.allocate_slots(second, 3, hits) is None
     assert kv.pool.num_free == 3
-    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not any(kv.pool.ref_cnt)
     assert kv.allocate_slots(second, 2, hits) is not None
     kv.check_consistency()
 
@@ -340,7 +340,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
     kv, parent, child = forked_pair(prompt_len=6)
     full, partial = kv.tables["p"]
     assert kv.tables["p#1"] == [full, partial]
-    assert [kv.pool.blocks[b].ref_cnt for b in (full, partial)] == [2, 2]
+    assert [kv.pool.ref_cnt[b] for b in (full, partial)] == [2, 2]
 
     parent.append_token(100)
     assert kv.allocate_slots(parent, 1) is not None
@@ -350,7 +350,7 @@ def test_writing_into_a_shared_partial_block_copies_it_for_the_writer() -> None:
     assert private not in (full, partial)
     assert kv.tables["p"] == [full, private]
     assert kv.tables["p#1"] == [full, partial]
-    assert [kv.pool.blocks[b].ref_cnt for b in (full, partial, private)] == [2, 1, 1]
+    assert [kv.pool.ref_cnt[b] for b in (full, partial, private)] == [2, 1, 1]
     kv.check_consistency()
 
     # The sibling is now the only holder of the old block: it writes in place, no copy.

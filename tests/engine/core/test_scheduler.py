@@ -179,7 +179,7 @@ class Sim:
 
     def check_all_free(self) -> None:
         assert self.kv.pool.num_free == self.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
+        assert not any(self.kv.pool.ref_cnt)
         assert not any(self.kv.tables.values())
         self.kv.check_consistency()
 
