@@ -172,7 +172,8 @@ class CacheConfig(_Strict):
         None,
         gt=0,
         le=4096,
-        description="KV pool budget in GiB when --num-kv-blocks is unset (default: 1 on CPU; on GPU, sized from "
+        description="KV pool budget in GiB when --num-kv-blocks is unset (default on CPU: 1, or what "
+        "--max-num-seqs sequences of --max-model-len tokens hold if less; on GPU, sized from "
         "--gpu-memory-utilization)",
     )
     gpu_memory_utilization: float = Field(

@@ -87,7 +87,10 @@ class LLMEngine:
         if encoder:
             num_blocks: int | None = bookkeeping_blocks(config, self.max_model_len, self.block_size)
         else:
-            num_blocks = fixed_pool_blocks(config, per_block, spec.device.startswith("cuda"))
+            full_batch = config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+            num_blocks = fixed_pool_blocks(
+                config, per_block, spec.device.startswith("cuda"), full_batch
+            )
         if num_blocks is not None:  # refused before anything starts
             config.check_kv_capacity(self.max_model_len, num_blocks, self.block_size)
         check_kv_offload(config, spec, draft_kv_bytes_per_block(config, spec))

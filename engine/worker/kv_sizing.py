@@ -3,7 +3,10 @@
 The first that is set wins: `--num-kv-blocks`, `--kv-cache-memory-gib`, then on a GPU the share
 `--gpu-memory-utilization` of its memory, less what is in use once the weights are loaded and
 the activations of the largest step (one forward at the step's token budget, measured at
-start-up). On a CPU the budget defaults to 1 GiB.
+start-up). On a CPU the budget defaults to 1 GiB, or less where `--max-num-seqs` sequences of
+`--max-model-len` tokens fill fewer blocks: a small model's 1 GiB pool holds millions of tokens
+that no batch can use, and touching its pages at start-up (kernels/cpu/huge_pages.py) costs
+about a second.
 """
 
 from __future__ import annotations
@@ -96,15 +99,20 @@ def bookkeeping_blocks(config: EngineConfig, max_model_len: int, block_size: int
     return max(step, -(-max_model_len // block_size))
 
 
-def fixed_pool_blocks(config: EngineConfig, bytes_per_block: int, on_gpu: bool) -> int | None:
-    """The pool's size in blocks when a setting fixes it (or on a CPU); None: profile the GPU."""
+def fixed_pool_blocks(
+    config: EngineConfig, bytes_per_block: int, on_gpu: bool, full_batch_blocks: int
+) -> int | None:
+    """The pool's size in blocks when a setting fixes it (or on a CPU); None: profile the GPU.
+    `full_batch_blocks`: what `--max-num-seqs` sequences of `--max-model-len` tokens hold, the
+    cap of the CPU's default budget."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    if cache.kv_cache_memory_gib is None and on_gpu:
+    if cache.kv_cache_memory_gib is not None:
+        return max(1, int(cache.kv_cache_memory_gib * GIB) // bytes_per_block)
+    if on_gpu:
         return None
-    gib = cache.kv_cache_memory_gib if cache.kv_cache_memory_gib is not None else CPU_DEFAULT_GIB
-    return max(1, int(gib * GIB) // bytes_per_block)
+    return max(1, min(int(CPU_DEFAULT_GIB * GIB) // bytes_per_block, full_batch_blocks))
 
 
 def profiled_pool_blocks(

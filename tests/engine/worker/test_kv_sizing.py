@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from config import ConfigError, EngineConfig
+from engine import LLM
 from engine.loading.model_spec import resolve_model_spec
 from engine.worker.executor import LocalExecutor
 from engine.worker.kv_sizing import (
@@ -34,26 +35,27 @@ class FixedProbe:
 
 
 def test_settings_precedence() -> None:
-    per_block = 2**20
-    assert (
-        fixed_pool_blocks(
-            EngineConfig.from_kwargs(num_kv_blocks=7, kv_cache_memory_gib=2), per_block, True
-        )
-        == 7
-    )
-    assert (
-        fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=2), per_block, True) == 2048
-    )
-    assert (
-        fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=False) == 1024
-    )  # 1 GiB on a CPU
-    assert (
-        fixed_pool_blocks(EngineConfig.from_kwargs(), per_block, on_gpu=True) is None
-    )  # profile the GPU
-    assert (
-        fixed_pool_blocks(EngineConfig.from_kwargs(kv_cache_memory_gib=0.001), per_block, False)
-        == 1
-    )
+    per_block, many = 2**20, 10**6
+    both = EngineConfig.from_kwargs(num_kv_blocks=7, kv_cache_memory_gib=2)
+    assert fixed_pool_blocks(both, per_block, True, many) == 7
+    two_gib = EngineConfig.from_kwargs(kv_cache_memory_gib=2)
+    assert fixed_pool_blocks(two_gib, per_block, True, many) == 2048
+    assert fixed_pool_blocks(two_gib, per_block, False, 5) == 2048  # a budget given is kept
+    unset = EngineConfig.from_kwargs()
+    assert fixed_pool_blocks(unset, per_block, False, many) == 1024  # 1 GiB on a CPU
+    # ... unless a full batch of full-length sequences fills less.
+    assert fixed_pool_blocks(unset, per_block, False, 300) == 300
+    assert fixed_pool_blocks(unset, per_block, True, many) is None  # profile the GPU
+    tiny = EngineConfig.from_kwargs(kv_cache_memory_gib=0.001)
+    assert fixed_pool_blocks(tiny, per_block, False, many) == 1
+
+
+def test_a_small_models_cpu_pool_is_what_a_full_batch_holds(qwen3_dir: Path) -> None:
+    """1 GiB would be ~100k blocks of this model's 2 layers: the pool stops at 4 sequences of
+    256 tokens in blocks of 16."""
+    with LLM(str(qwen3_dir), max_num_seqs=4, max_model_len=256, block_size=16) as llm:
+        assert llm.engine.kv.pool.num_blocks == 4 * 16
+        assert all(k.shape[0] == 4 * 16 for k, _ in llm.engine.executor.runner.kv_caches)
 
 
 def test_budget_is_the_allowed_share_less_what_is_used_and_the_step_peak() -> None:
