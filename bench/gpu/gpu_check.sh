@@ -99,7 +99,8 @@ within() {
 }
 
 check_cuda() {
-    "$PYTHON" - <<'EOF'
+    # Its own status, not nvidia-smi's: without CUDA the check stops here.
+    "$PYTHON" - <<'EOF' || return 1
 import sys
 
 import torch
