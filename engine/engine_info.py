@@ -4,12 +4,17 @@ need nothing else: both are safe to use from any thread."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 from engine.pooling import PoolerSpec, PoolingParams
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the server reads this module: it need not import the loading code)
+    from config import EngineConfig
+    from engine.loading.model_spec import ModelSpec
 
 MAX_LOGPROBS = 20
 
@@ -34,6 +39,34 @@ class EngineInfo:
     # The model reads images in its prompts (a vision-language model).
     accepts_images: bool = False
     kv_offload_tiers: tuple[str, ...] = ()  # the KV offload tiers on: 'host', 'disk'
+
+    @classmethod
+    def of(
+        cls,
+        config: EngineConfig,
+        spec: ModelSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        num_kv_blocks: int,
+    ) -> EngineInfo:
+        """What an engine started with `config` on the model `spec` resolved serves."""
+        drafting = config.scheduler.speculative_config
+        return cls(
+            model=config.model.model,
+            model_path=str(spec.path),
+            tokenizer=tokenizer,
+            max_model_len=spec.max_model_len,
+            vocab_size=spec.vocab_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            block_size=spec.block_size,
+            num_kv_blocks=num_kv_blocks,
+            scheduling_policy=config.scheduler.scheduling_policy,
+            pooler=spec.pooler,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            num_speculative_tokens=drafting.num_speculative_tokens if drafting else None,
+            accepts_images=spec.multimodal,
+            kv_offload_tiers=config.kv_offload.tiers,
+        )
 
     @property
     def runner(self) -> str:

@@ -210,7 +210,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._recorder = StatsRecorder()
-        speculating = self.speculator is not None
         self.beams = BeamSearches(
             self.requests,
             self.scheduler,
