@@ -156,26 +156,9 @@ class LLMEngine:
         except BaseException:
             self.executor.close()
             raise
-        max_loras = config.lora.max_loras if config.lora.enable_lora else None
-        drafting = config.scheduler.speculative_config
-        self.info = EngineInfo(
-            model=config.model.model,
-            model_path=str(self.model_path),
-            tokenizer=self.tokenizer,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            block_size=self.block_size,
-            num_kv_blocks=num_blocks,
-            scheduling_policy=config.scheduler.scheduling_policy,
-            pooler=spec.pooler,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_loras=max_loras,
-            num_speculative_tokens=drafting.num_speculative_tokens if drafting else None,
-            accepts_images=spec.multimodal,
-            kv_offload_tiers=config.kv_offload.tiers,
-        )
-        if drafting is not None and self.pooler is not None:
+        self.info = EngineInfo.of(config, spec, self.tokenizer, num_blocks)
+        max_loras = self.info.max_loras
+        if config.scheduler.speculative_config is not None and self.pooler is not None:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
@@ -217,7 +200,7 @@ class LLMEngine:
             self.tokenizer,
             self.vocab_size,
             self.max_model_len,
-            speculating,
+            speculating=self.speculator is not None,
         )
         self.pooling = PoolingRequests(self.requests, self.scheduler, self._recorder, spec.pooler)
         self.step_shape = (0, 0)  # (sequences, tokens) of the step now or last run
