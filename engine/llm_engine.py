@@ -282,7 +282,8 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         structured, grammar = params.structured_outputs, checked.grammar
         sequences = []
-        for i in range(params.n):
+        # A beam search starts with one sequence: its group forks the beams.
+        for i in range(1 if params.use_beam_search else params.n):
             generator = None
             if params.seed is not None:
                 generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
@@ -303,10 +304,7 @@ class LLMEngine:
                     mm=multi_modal,
                 )
             )
-        beam = None
-        if params.use_beam_search:  # one sequence to start: the group forks its beams
-            sequences = sequences[:1]
-            beam = self.beams.start(sequences[0])
+        beam = self.beams.start(sequences[0]) if params.use_beam_search else None
         sequences[0].forks = sequences[1:]
         request = Request(
             request_id,
