@@ -433,14 +433,9 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, let the scheduler apply the results, make outputs."""
-        outputs = self._step()
+        outputs = self._pipeline.step() if self._pipeline is not None else self.sync_step()
         self._finish_unloads()  # an unloaded adapter whose last request ended in this step
         return outputs
-
-    def _step(self) -> list[EngineOutput]:
-        if self._pipeline is not None:
-            return self._pipeline.step()
-        return self.sync_step()
 
     def sync_step(self) -> list[EngineOutput]:
         """One step start to end: nothing runs before or after it."""
