@@ -25,7 +25,7 @@ from engine.engine_info import EngineInfo
 from engine.errors import InvalidRequestError
 from engine.kv_events.publisher import KVEventPublisher
 from engine.kv_events.wire import CacheSpec
-from engine.kv_offload import KVOffloadConnector, check_kv_offload, make_kv_offload
+from engine.kv_offload import KVOffloadConnector, check_kv_offload
 from engine.loading.model_spec import ModelSpec, resolve_model_spec
 from engine.loading.resolve import load_tokenizer
 from engine.lora.adapters import LoRAAdapters
@@ -162,9 +162,7 @@ class LLMEngine:
             raise ConfigError("--speculative-config: a pooling model generates no tokens")
         # A pooled input needs every position's hidden state: none may come from the cache.
         caching = config.cache.enable_prefix_caching and self.pooler is None
-        if isinstance(self.executor, LocalExecutor):  # tensor parallel: refused with tiers
-            local = self.executor
-            self.offload = make_kv_offload(config, spec, lambda: local.runner.kv_caches)
+        self.offload = self.executor.kv_offload(config, spec)
         self.kv = KVCacheManager(
             num_blocks,
             self.block_size,

@@ -27,6 +27,7 @@ class FoundBlock:
 
     tier: str
     contents: torch.Tensor
+    block_hash: bytes  # the pool's hash it was found by
 
 
 class KVOffloadConnector:
@@ -54,17 +55,17 @@ class KVOffloadConnector:
         if self.host is not None:
             block = self.host.get(key)
             if block is not None:
-                return FoundBlock("host", block)
+                return FoundBlock("host", block, block_hash)
         if self._writer is not None:
             block = self._writer.pending(key)
             if block is not None:  # its write is queued: still a disk store
-                return FoundBlock("disk", block)
+                return FoundBlock("disk", block, block_hash)
         if self.disk is not None:
             block = self.disk.read(key)
             if block is not None:
                 if self.host is not None:  # the next visit finds it in memory
                     self.host.put(key, block)
-                return FoundBlock("disk", block)
+                return FoundBlock("disk", block, block_hash)
         return None
 
     def load(self, found: list[FoundBlock], block_ids: list[int]) -> None:

@@ -29,9 +29,15 @@ class ModelIdentity:
     # Each weight file's name, size and modification time: weights replaced in the same folder
     # (a new revision saved over the old) must not find the old weights' blocks on disk.
     weights: tuple[tuple[str, int, int], ...] = ()
+    # Under tensor parallelism, (rank, ranks): which slice of the heads a rank's blocks hold.
+    # Left out of the digest with one rank, so that one rank's keys stay what they were.
+    shard: tuple[int, int] | None = None
 
     def digest(self) -> bytes:
-        text = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if self.shard is None:
+            del fields["shard"]
+        text = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
 
 

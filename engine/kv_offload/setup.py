@@ -9,11 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from config import ConfigError, EngineConfig
+from engine.distributed.shard import WHOLE, Shard
 from engine.kv_offload.block_io import KVCaches, PoolBlockIO
 from engine.kv_offload.connector import KVOffloadConnector
 from engine.kv_offload.disk_tier import SUFFIX, DiskTier
 from engine.kv_offload.host_tier import HostTier
 from engine.kv_offload.keys import ModelIdentity, weight_files
+from engine.kv_offload.tensor_parallel import TensorParallelTiers, WorkerChannel
 from engine.loading.model_spec import ModelSpec
 
 GIB = 2**30
@@ -25,8 +27,6 @@ def refusal(config: EngineConfig, spec: ModelSpec, draft_kv_bytes: int) -> str |
         return "the tiers find blocks by their prefix-cache hashes: turn prefix caching on"
     if spec.pooler is not None:
         return "a pooling model keeps no KV blocks between requests"
-    if spec.tensor_parallel_size > 1:
-        return "not served with --tensor-parallel-size > 1 yet"
     if draft_kv_bytes:
         return "a draft model's K/V shares the pool's blocks and is not offloaded"
     return None
@@ -90,7 +90,7 @@ def check_kv_offload(config: EngineConfig, spec: ModelSpec, draft_kv_bytes: int)
     check_sizes(config)
 
 
-def identity_of(spec: ModelSpec) -> ModelIdentity:
+def identity_of(spec: ModelSpec, shard: Shard = WHOLE) -> ModelIdentity:
     weights = spec.gguf_file or spec.path
     return ModelIdentity(
         model=str(weights),
@@ -102,27 +102,36 @@ def identity_of(spec: ModelSpec) -> ModelIdentity:
         block_size=spec.block_size,
         quantization=spec.quantization,
         weights=weight_files(weights),
+        shard=(shard.rank, shard.size) if shard.size > 1 else None,
     )
 
 
 def make_kv_offload(
-    config: EngineConfig, spec: ModelSpec, kv_caches: Callable[[], KVCaches]
+    config: EngineConfig,
+    spec: ModelSpec,
+    kv_caches: Callable[[], KVCaches],
+    shard: Shard = WHOLE,
+    workers: WorkerChannel | None = None,
 ) -> KVOffloadConnector | None:
-    """The engine's tiers over the runner's paged cache (None without --kv-offloading-*),
-    once `check_kv_offload` has passed."""
+    """A rank's tiers over its runner's paged cache (None without --kv-offloading-*), once
+    `check_kv_offload` has passed. Under tensor parallelism each rank has its share of the
+    sizes and a folder of its own in the disk directory; rank 0 passes the `workers`."""
     offload = config.kv_offload
     if not offload.enabled:
         return None
     io = PoolBlockIO(kv_caches)
-    identity = identity_of(spec).digest()
-    host = HostTier(offload.host_bytes) if offload.kv_offloading_size is not None else None
+    identity = identity_of(spec, shard).digest()
+    host = None
+    if offload.kv_offloading_size is not None:
+        host = HostTier(offload.host_bytes // shard.size)
     disk = None
-    if offload.kv_offloading_disk_dir is not None:
+    folder = offload.kv_offloading_disk_dir
+    if folder is not None:
+        if shard.size > 1:
+            folder = folder / f"tp{shard.size}-rank{shard.rank}"
         disk = DiskTier(
-            offload.kv_offloading_disk_dir,
-            offload.disk_bytes,
-            identity,
-            spec.dtype,
-            io.block_shape(),
+            folder, offload.disk_bytes // shard.size, identity, spec.dtype, io.block_shape()
         )
+    if workers is not None:
+        return TensorParallelTiers(identity, io, host, disk, workers)
     return KVOffloadConnector(identity, io, host, disk)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from config import EngineConfig
 from engine.distributed.shard import Shard
 from engine.errors import ModelLoadError
+from engine.kv_offload.connector import KVOffloadConnector
+from engine.kv_offload.setup import make_kv_offload
 from engine.loading.model_spec import ModelSpec
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
@@ -66,6 +68,11 @@ class LocalExecutor:
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
+
+    def kv_offload(self, config: EngineConfig, spec: ModelSpec) -> KVOffloadConnector | None:
+        """The KV offload tiers over the pool allocated (None without --kv-offloading-*)."""
+        runner = self.runner
+        return make_kv_offload(config, spec, lambda: runner.kv_caches)
 
     def execute(self, batch: HostBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
@@ -262,19 +269,32 @@ class TensorParallelExecutor:
         self._send(message(ALLOCATE_KV, torch.tensor([num_blocks])))
         self.runner.allocate_kv(num_blocks)
 
-    def _ask(self, data: bytes) -> None:
-        """Send an answered adapter message to every worker; LoRALoadError naming the first
-        rank that could not serve it (each rank reads its own slice from the folder)."""
+    def kv_offload(self, config: EngineConfig, spec: ModelSpec) -> KVOffloadConnector | None:
+        """Rank 0's tiers, which ask and tell the workers' (each made at ALLOCATE_KV)."""
+        runner, channel = self.runner, _TierChannel(self)
+        return make_kv_offload(
+            config, spec, lambda: runner.kv_caches, Shard(0, channel.size), channel
+        )
+
+    def _answers(self, data: bytes) -> list[object]:
+        """Send a message to every worker and receive each one's answer."""
         self._send(data)
-        refusals = []
+        answers = []
         for worker in self._ranks.workers:
             try:
-                answer = worker.conn.recv()
+                answers.append(worker.conn.recv())
             except (EOFError, OSError):
                 raise WorkerDiedError(
                     _describe_dead(self._ranks, timeout=DEATH_NOTICE_SECONDS)
                     or f"tensor-parallel rank {worker.rank} is gone"
                 ) from None
+        return answers
+
+    def _ask(self, data: bytes) -> None:
+        """Send an answered adapter message to every worker; LoRALoadError naming the first
+        rank that could not serve it (each rank reads its own slice from the folder)."""
+        refusals = []
+        for worker, answer in zip(self._ranks.workers, self._answers(data)):
             if answer is not None:
                 refusals.append(f"tensor-parallel rank {worker.rank}: {answer}")
         if refusals:
@@ -325,3 +345,20 @@ class TensorParallelExecutor:
     def close(self) -> None:
         """Stop the workers and leave the process group; a second call does nothing."""
         self._finalizer()
+
+
+@dataclass
+class _TierChannel:
+    """The KV offload tiers' messages to the workers (engine/kv_offload/tensor_parallel.py)."""
+
+    executor: TensorParallelExecutor
+
+    @property
+    def size(self) -> int:
+        return len(self.executor._ranks.workers) + 1
+
+    def tell(self, kind: int, body: torch.Tensor) -> None:
+        self.executor._send(message(kind, body))
+
+    def ask(self, kind: int, body: torch.Tensor) -> list[object]:
+        return self.executor._answers(message(kind, body))

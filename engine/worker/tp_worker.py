@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from config import EngineConfig
 from engine.distributed.shard import Shard
+from engine.kv_offload import tensor_parallel as tiers
+from engine.kv_offload.setup import make_kv_offload
 from engine.loading.model_spec import ModelSpec
 from engine.lora.checkpoint import LoRALoadError
 from engine.lora.request import LoRARequest
@@ -29,7 +31,8 @@ log = logging.getLogger(__name__)
 
 STOP = b""
 # Every other message is int64s: its kind, then a packed `HostBatch` to run or the KV pool's size,
-# or an adapter to read, load into a slot or forget.
+# or an adapter to read, load into a slot or forget, or blocks for the KV offload tiers (kinds
+# tiers.FIND, LOAD and STORE, 5 to 7).
 STEP, ALLOCATE_KV, LOAD_LORA, READ_LORA, FORGET_LORA = 0, 1, 2, 3, 4
 # READ_LORA and LOAD_LORA are answered: None, or why the adapter cannot be served on this rank.
 ANSWERED = (READ_LORA, LOAD_LORA)
@@ -94,6 +97,7 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
         raise SystemExit(1) from None
     conn.send("loaded")
     join_group(config, spec, rank, port)
+    rank_tiers: tiers.RankTiers | None = None
     try:
         while True:
             try:
@@ -105,6 +109,15 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
             values = torch.frombuffer(bytearray(packed), dtype=torch.int64)
             if values[0] == ALLOCATE_KV:
                 runner.allocate_kv(int(values[1]))
+                if rank_tiers is None:
+                    shard = Shard(rank, spec.tensor_parallel_size)
+                    connector = make_kv_offload(config, spec, lambda: runner.kv_caches, shard)
+                    rank_tiers = tiers.RankTiers(connector) if connector is not None else None
+            elif values[0] in (tiers.FIND, tiers.LOAD, tiers.STORE):
+                assert rank_tiers is not None, "KV offload messages without the tiers"
+                answer = rank_tiers.handle(int(values[0]), values[1:])
+                if values[0] == tiers.FIND:
+                    conn.send(answer)
             elif values[0] in ANSWERED:
                 conn.send(_run_lora(runner, int(values[0]), *read_lora_message(values[1:])))
             elif values[0] == FORGET_LORA:
@@ -112,4 +125,6 @@ def worker_main(config_json: str, spec: ModelSpec, rank: int, port: int, conn: C
             else:
                 runner.execute(HostBatch.unpack(values[1:]))
     finally:
+        if rank_tiers is not None:
+            rank_tiers.close()  # its queued disk writes land first
         dist.destroy_process_group()

@@ -58,7 +58,6 @@ def test_bad_values_are_refused(settings: dict[str, object], message: str) -> No
     ("settings", "message"),
     [
         ({"enable_prefix_caching": False}, "turn prefix caching on"),
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
         ({"async_scheduling": True}, "--async-scheduling: the KV offload tiers"),
         ({"kv_offloading_size": 60000.0}, "GiB of host memory is available"),
     ],

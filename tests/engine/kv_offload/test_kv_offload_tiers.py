@@ -4,7 +4,8 @@ from the host tier, or from the disk tier (also after a restart), count it as ca
 and generate exactly the tokens of an engine whose pool holds everything (float32, greedy).
 Blocks of another model, dtype or adapter in the same folder never hit; bad files are misses
 with a warning; a folder that cannot be written turns the disk tier off and serving goes on;
-and random arrivals with the tiers evicting between lookup and load keep the pool consistent."""
+random arrivals with the tiers evicting between lookup and load keep the pool consistent; and
+two tensor-parallel ranks each keep their own slice and agree on what was found."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.kv_cache_manager import chain_hash
+from engine.distributed.shard import Shard
 from engine.kv_offload.disk_tier import SUFFIX, encode_block
+from engine.kv_offload.keys import tier_key
+from engine.kv_offload.setup import identity_of
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
@@ -335,3 +339,42 @@ def test_weights_replaced_in_the_same_folder_never_hit(llama_dir: Path, tmp_path
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # saved again
     with LLM(str(model), **SMALL_POOL, **disk(folder)) as replaced:
         assert run(replaced, FIRST[:1]).stats.external_prefix_cache_hits == 0
+
+
+def test_two_ranks_keep_their_own_slices_and_agree_on_the_hit_length(
+    qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen3's 2 KV heads on 2 ranks: each rank stores its head's half of every block in tiers
+    of its own (host, and a disk folder of its own), revisits and a restart load both halves,
+    and a block one rank lost ends the hit for both (here: that document computes its prefix
+    again), with the tokens of one rank and a pool that holds everything."""
+    with LLM(str(qwen3_dir), **COMMON, num_kv_blocks=256) as one_rank:
+        want_first, want_second = (expected(one_rank, p) for p in (FIRST, SECOND))
+    folder = tmp_path / "tier"
+    two_ranks = {**SMALL_POOL, "tensor_parallel_size": 2}
+    with LLM(str(qwen3_dir), **two_ranks, kv_offloading_size=HOST_GIB, **disk(folder)) as llm:
+        first = run(llm, FIRST)
+        second = run(llm, SECOND)
+        slice_bytes = block_bytes(llm)  # one rank's: its KV head
+        identities = [identity_of(llm.engine.spec, Shard(r, 2)).digest() for r in (0, 1)]
+    assert first.tokens == want_first and second.tokens == want_second
+    assert second.cached == [DOC_TOKENS] * len(DOCS)
+    hits = second.stats.external_prefix_cache_hits
+    assert hits >= 4 * DOC_TOKENS
+    assert second.stats.kv_offload is not None and first.stats.kv_offload is not None
+    # Both ranks' bytes: each stored every full block once, and loaded each hit.
+    assert second.stats.kv_offload.bytes_loaded == {"host": hits // BLOCK * 2 * slice_bytes}
+    stored = 4 * len(DOCS) * 2 * slice_bytes
+    assert first.stats.kv_offload.bytes_stored == {"host": stored, "disk": stored}
+    ranks = [folder / "tp2-rank0", folder / "tp2-rank1"]
+    assert sorted(folder.iterdir()) == ranks
+    assert [len(list(f.glob("*" + SUFFIX))) for f in ranks] == [4 * len(DOCS)] * 2
+
+    # Rank 1 loses the first block of the first document.
+    lost = tier_key(identities[1], chain_hash(b"", DOCS[0][:BLOCK]))
+    (ranks[1] / (lost.hex() + SUFFIX)).unlink()
+    with LLM(str(qwen3_dir), **two_ranks, **disk(folder)) as restarted:
+        again = run(restarted, SECOND)
+    assert again.tokens == want_second
+    assert again.cached == [0] + [DOC_TOKENS] * (len(DOCS) - 1)
+    assert again.stats.external_prefix_cache_hits == DOC_TOKENS * (len(DOCS) - 1)
