@@ -115,6 +115,25 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def _tier_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """The prompt's full blocks the tiers may be asked for: those the pool does not hold."""
+        if self.offload is None or not self.enable_caching or seq.wants_prompt_logprobs:
+            return []
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        return [h for h in hashes if self.pool.lookup(h) is None]
+
+    def read_ahead(self, seq: Sequence) -> None:
+        """Start reading the blocks of the prompt that only the disk tier holds."""
+        if self.offload is not None:
+            self.offload.read_ahead(self._tier_hashes(seq))
+
+    def tier_reads_pending(self, seq: Sequence) -> bool:
+        return self.offload is not None and self.offload.reading(self._tier_hashes(seq))
+
+    def wait_for_tier_reads(self, seq: Sequence) -> None:
+        if self.offload is not None:
+            self.offload.wait_for_reads(self._tier_hashes(seq))
+
     def load_offloaded(
         self, seq: Sequence, hits: list[int], max_new_tokens: int
     ) -> tuple[list[int], int]:
@@ -191,11 +210,7 @@ class KVCacheManager:
         end = start + num_new_tokens
         num_new_blocks = max(0, -(-end // bs) - len(table) - len(computed_blocks))
         # The first block written may be a partial block shared with a forked sibling.
-        cow = (
-            start % bs != 0
-            and num_new_tokens > 0
-            and self.pool.ref_cnt[table[start // bs]] > 1
-        )
+        cow = start % bs != 0 and num_new_tokens > 0 and self.pool.ref_cnt[table[start // bs]] > 1
         revived = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if num_new_blocks + int(cow) + revived > self.pool.num_free:
             return None

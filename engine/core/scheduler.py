@@ -75,6 +75,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
 
     def add(self, seq: Sequence) -> None:
+        self.kv.read_ahead(seq)  # while it waits, the disk tier's blocks of its prefix
         if self.by_priority:
             insort(self.waiting, seq, key=rank)  # after its equals: first come first served
         else:
@@ -199,6 +200,10 @@ class Scheduler:
             and self._adapter_fits(self.waiting[0])
         ):
             seq = self.waiting[0]
+            if self.kv.tier_reads_pending(seq):
+                if self.running or out.scheduled:
+                    break  # the others step on: it is admitted once its blocks are read
+                self.kv.wait_for_tier_reads(seq)  # nobody else to run: waiting holds up none
             hits = self.kv.get_computed_blocks(seq)  # a waiting sequence has nothing computed
             num_pool_hits = len(hits)
             hits, num_loaded = self.kv.load_offloaded(seq, hits, budget)

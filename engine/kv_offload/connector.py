@@ -4,7 +4,11 @@ blocks into pool blocks, and store the blocks a step has just written.
 Stores are write-through: the blocks each step newly registers are copied out of the pool
 right after that step's forward pass (a copy per block, on the engine thread: the pool block
 may be reused by the very next step), into the host tier and onto the disk writer's queue.
-Eviction from the pool then costs nothing. A block already in a tier is not copied again."""
+Eviction from the pool then costs nothing. A block already in a tier is not copied again.
+
+Reads from disk start when a request arrives (`read_ahead`), on the disk reader's thread; the
+scheduler admits the request once they are done (`reading`), and a lookup takes the block from
+memory then."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_offload.block_io import PoolBlockIO, StoredBlocks
+from engine.kv_offload.disk_reader import DiskReader
 from engine.kv_offload.disk_tier import DiskTier
 from engine.kv_offload.disk_writer import DiskWriter
 from engine.kv_offload.host_tier import HostTier
@@ -44,6 +49,7 @@ class KVOffloadConnector:
         self.host = host
         self.disk = disk
         self._writer = DiskWriter(disk, max_pending_disk_bytes) if disk is not None else None
+        self._reader = DiskReader(disk, max_pending_disk_bytes) if disk is not None else None
         self._stored: Counter[str] = Counter()
         self._loaded: Counter[str] = Counter()
 
@@ -60,6 +66,12 @@ class KVOffloadConnector:
             block = self._writer.pending(key)
             if block is not None:  # its write is queued: still a disk store
                 return FoundBlock("disk", block, block_hash)
+        if self._reader is not None:
+            block = self._reader.take(key)
+            if block is not None:  # read ahead
+                if self.host is not None:
+                    self.host.put(key, block)
+                return FoundBlock("disk", block, block_hash)
         if self.disk is not None:
             block = self.disk.read(key)
             if block is not None:
@@ -67,6 +79,32 @@ class KVOffloadConnector:
                     self.host.put(key, block)
                 return FoundBlock("disk", block, block_hash)
         return None
+
+    def read_ahead(self, hashes: list[bytes]) -> None:
+        """Start reading the blocks of this chain that only the disk holds, up to the first
+        block no tier holds (a lookup stops there)."""
+        if self._reader is None or self.disk is None:
+            return
+        keys = []
+        for block_hash in hashes:
+            key = self.key(block_hash)
+            if (self.host is not None and key in self.host) or self._writer_has(key):
+                continue
+            if key not in self.disk:
+                break
+            keys.append(key)
+        self._reader.request(keys)
+
+    def reading(self, hashes: list[bytes]) -> bool:
+        """Whether any of these blocks is still being read ahead."""
+        return self._reader is not None and self._reader.reading([self.key(h) for h in hashes])
+
+    def wait_for_reads(self, hashes: list[bytes]) -> None:
+        if self._reader is not None:
+            self._reader.wait([self.key(h) for h in hashes])
+
+    def _writer_has(self, key: bytes) -> bool:
+        return self._writer is not None and self._writer.pending(key) is not None
 
     def load(self, found: list[FoundBlock], block_ids: list[int]) -> None:
         """Copy found blocks into the pool's blocks, before any step reads them."""
@@ -77,7 +115,7 @@ class KVOffloadConnector:
     def _held(self, key: bytes) -> bool:
         in_host = self.host is not None and key in self.host
         in_disk = self.disk is None or not self.disk.enabled or key in self.disk
-        in_disk = in_disk or (self._writer is not None and self._writer.pending(key) is not None)
+        in_disk = in_disk or self._writer_has(key)
         return (self.host is None or in_host) and in_disk
 
     def store(self, blocks: list[tuple[int, bytes]]) -> None:
@@ -123,3 +161,6 @@ class KVOffloadConnector:
             self._writer.flush()
             self._writer.close()
             self._writer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

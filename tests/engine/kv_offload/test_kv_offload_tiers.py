@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,3 +379,47 @@ def test_two_ranks_keep_their_own_slices_and_agree_on_the_hit_length(
     assert again.tokens == want_second
     assert again.cached == [0] + [DOC_TOKENS] * (len(DOCS) - 1)
     assert again.stats.external_prefix_cache_hits == DOC_TOKENS * (len(DOCS) - 1)
+
+
+def test_a_request_whose_prefix_is_read_from_disk_holds_up_no_running_one(
+    llama_dir: Path, reference: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart, a revisit's blocks are on disk only. They are read on the disk reader's
+    thread as the request arrives (held back here until the test lets them go); meanwhile the
+    request already running decodes a token every step and the revisit waits in the queue; then
+    it is admitted with its whole document loaded, and gives the large pool's tokens."""
+    import engine.kv_offload.disk_tier as disk_tier
+
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        run(llm, FIRST)
+    read = disk_tier.DiskTier.read
+    gate = threading.Event()
+    readers: set[str] = set()
+
+    def held_read(self: disk_tier.DiskTier, key: bytes) -> torch.Tensor | None:
+        readers.add(threading.current_thread().name)
+        assert gate.wait(60)
+        return read(self, key)
+
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as restarted:
+        engine = restarted.engine
+        engine.add_request(QUESTIONS[0] * 3, long, request_id="running")
+        engine.step()  # its prompt
+        monkeypatch.setattr(disk_tier.DiskTier, "read", held_read)
+        engine.add_request(SECOND[0], GREEDY, request_id="revisit")
+        for _ in range(5):
+            produced = [o.request_id for o in engine.step() if isinstance(o, RequestOutput)]
+            assert produced == ["running"]  # a token a step, the revisit still queued
+        assert [s.request_id for s in engine.scheduler.waiting] == ["revisit"]
+        gate.set()
+        got: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if isinstance(out, RequestOutput) and out.finished:
+                    got[out.request_id] = out
+        engine.kv.check_consistency()
+    assert readers == {"kv-disk-reader"}
+    assert got["revisit"].num_cached_tokens == DOC_TOKENS
+    assert got["revisit"].outputs[0].token_ids == expected(reference, SECOND[:1])[0]
