@@ -52,12 +52,15 @@ class SpecDecodeStats:
 class KVOffloadStats:
     """The KV offload tiers (--kv-offloading-size, --kv-offloading-disk-dir), by tier name
     ("host", "disk"): bytes copied into each and back out of it since the previous snapshot,
-    and each one's use now."""
+    blocks it dropped since then, and each one's use now."""
 
     bytes_stored: dict[str, int] = field(default_factory=dict)
     bytes_loaded: dict[str, int] = field(default_factory=dict)
     used_bytes: dict[str, int] = field(default_factory=dict)
     capacity_bytes: dict[str, int] = field(default_factory=dict)
+    # Blocks a tier did not take because its write queue was full (the disk tier, when the disk
+    # writes more slowly than steps fill blocks): those blocks are not on disk.
+    blocks_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

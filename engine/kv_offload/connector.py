@@ -35,23 +35,23 @@ class FoundBlock:
     block_hash: bytes  # the pool's hash it was found by
 
 
+# Blocks queued for the disk, and blocks read ahead from it, each held in memory up to this.
+MAX_DISK_QUEUE_BYTES = 256 * 2**20
+
+
 class KVOffloadConnector:
     def __init__(
-        self,
-        identity: bytes,
-        io: PoolBlockIO,
-        host: HostTier | None,
-        disk: DiskTier | None,
-        max_pending_disk_bytes: int = 256 * 2**20,
+        self, identity: bytes, io: PoolBlockIO, host: HostTier | None, disk: DiskTier | None
     ) -> None:
         self.identity = identity
         self.io = io
         self.host = host
         self.disk = disk
-        self._writer = DiskWriter(disk, max_pending_disk_bytes) if disk is not None else None
-        self._reader = DiskReader(disk, max_pending_disk_bytes) if disk is not None else None
+        self._writer = DiskWriter(disk, MAX_DISK_QUEUE_BYTES) if disk is not None else None
+        self._reader = DiskReader(disk, MAX_DISK_QUEUE_BYTES) if disk is not None else None
         self._stored: Counter[str] = Counter()
         self._loaded: Counter[str] = Counter()
+        self._dropped_before = 0  # the writer's drops counted by earlier stats
 
     def key(self, block_hash: bytes) -> bytes:
         return tier_key(self.identity, block_hash)
@@ -145,6 +145,10 @@ class KVOffloadConnector:
         stats = KVOffloadStats(bytes_stored=dict(self._stored), bytes_loaded=dict(self._loaded))
         self._stored.clear()
         self._loaded.clear()
+        if self._writer is not None:
+            dropped = self._writer.num_dropped
+            stats.blocks_dropped["disk"] = dropped - self._dropped_before
+            self._dropped_before = dropped
         for tier in (self.host, self.disk):
             if tier is not None:
                 stats.used_bytes[tier.name] = tier.used_bytes

@@ -1,7 +1,8 @@
 """KV offload tier metrics, from the engine's stats: the tiers' prefix lookups in tokens (vLLM's
 `external_prefix_cache_queries` / `external_prefix_cache_hits`, its KV connector's counters),
-bytes copied into and out of each tier, and each tier's use and capacity. They exist from
-start-up, at 0, on a server with tiers, and not at all on one without."""
+bytes copied into and out of each tier, blocks the disk tier dropped (its write queue full), and
+each tier's use and capacity. They exist from start-up, at 0, on a server with tiers, and not
+at all on one without."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ class KVOffloadMetrics:
         for direction in DIRECTIONS:
             for tier in tiers:
                 self.bytes.labels(*values, direction, tier)
+        self.dropped = counter(
+            "kv_offload_dropped_blocks",
+            "Blocks a KV offload tier did not store because its write queue was full.",
+            ("tier",),
+        )
+        if "disk" in tiers:  # the one tier with a write queue
+            self.dropped.labels(*values, "disk")
         self.used = gauge("kv_offload_used_bytes", "Bytes a KV offload tier holds.")
         self.capacity = gauge("kv_offload_capacity_bytes", "A KV offload tier's budget in bytes.")
         for tier in tiers:  # set from the engine's first stats
@@ -62,6 +70,8 @@ class KVOffloadMetrics:
         for direction, moved in (("store", tiers.bytes_stored), ("load", tiers.bytes_loaded)):
             for tier, count in moved.items():
                 self.bytes.labels(*self.values, direction, tier).inc(count)
+        for tier, count in tiers.blocks_dropped.items():
+            self.dropped.labels(*self.values, tier).inc(count)
         for tier, used in tiers.used_bytes.items():
             self.used.labels(*self.values, tier).set(used)
         for tier, capacity in tiers.capacity_bytes.items():

@@ -83,6 +83,7 @@ CHARTED_FAMILIES = {
     "external_prefix_cache_queries",
     "external_prefix_cache_hits",
     "kv_offload_bytes",
+    "kv_offload_dropped_blocks",
     "kv_offload_used_bytes",
     "kv_offload_capacity_bytes",
     "mm_cache_hits",
@@ -415,7 +416,7 @@ def test_every_dashboard_query_filters_by_model_and_names_an_exposed_series(expo
     exposed_samples = {name for _, samples in exposed.values() for name in samples}
     charted: set[str] = set()
     exprs = dashboard_exprs()
-    assert len(exprs) == 35
+    assert len(exprs) == 36
     for expr in exprs:
         selectors = SELECTOR.findall(expr)
         assert selectors, expr

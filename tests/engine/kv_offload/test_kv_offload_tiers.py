@@ -423,3 +423,34 @@ def test_a_request_whose_prefix_is_read_from_disk_holds_up_no_running_one(
     assert readers == {"kv-disk-reader"}
     assert got["revisit"].num_cached_tokens == DOC_TOKENS
     assert got["revisit"].outputs[0].token_ids == expected(reference, SECOND[:1])[0]
+
+
+def test_blocks_the_disk_queue_cannot_take_are_dropped_and_counted(
+    llama_dir: Path, reference: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that falls behind: writes are held until the run ends, and the queue holds two
+    blocks. The first two full blocks wait in it; the other 22 are dropped, counted in the
+    stats, and never reach the disk; serving goes on with the same tokens."""
+    import engine.kv_offload.connector as connector
+    import engine.kv_offload.disk_tier as disk_tier
+
+    monkeypatch.setattr(connector, "MAX_DISK_QUEUE_BYTES", 2 * 4096)  # blocks of 4,096 bytes
+    write = disk_tier.DiskTier.write
+    gate = threading.Event()
+
+    def slow_write(self: disk_tier.DiskTier, key: bytes, block: torch.Tensor) -> None:
+        assert gate.wait(60)
+        write(self, key, block)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "write", slow_write)
+    folder = tmp_path / "tier"
+    with LLM(str(llama_dir), **SMALL_POOL, **disk(folder)) as llm:
+        assert block_bytes(llm) == 4096
+        first = run(llm, FIRST)
+        gate.set()
+    assert first.tokens == expected(reference, FIRST)
+    offload = first.stats.kv_offload
+    assert offload is not None
+    assert offload.blocks_dropped == {"disk": 4 * len(DOCS) - 2}
+    assert offload.bytes_stored == {"disk": 2 * 4096}
+    assert len(list(folder.glob("*" + SUFFIX))) == 2

@@ -56,6 +56,7 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
             for d in ("store", "load")
             for t in ("host", "disk")
         },
+        ("pagedserve:kv_offload_dropped_blocks_total", (("tier", "disk"),)): 0,
         **{
             (f"pagedserve:kv_offload_{g}_bytes", (("tier", t),)): 0
             for g in ("used", "capacity")
@@ -69,6 +70,7 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
             kv_offload=tiers(
                 bytes_stored={"host": 4096, "disk": 4096},
                 bytes_loaded={"host": 8192},
+                blocks_dropped={"disk": 3},
                 used_bytes={"host": 4096, "disk": 4400},
                 capacity_bytes={"host": 2**20, "disk": 2**21},
             ),
@@ -80,6 +82,7 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
             external_prefix_cache_hits=64,
             kv_offload=tiers(
                 bytes_loaded={"disk": 4096},
+                blocks_dropped={"disk": 2},
                 used_bytes={"host": 8192, "disk": 4400},
                 capacity_bytes={"host": 2**20, "disk": 2**21},
             ),
@@ -92,6 +95,7 @@ def test_exact_totals_after_two_snapshots(scheme: str, prefix: str) -> None:
     assert got[(moved, (("direction", "store"), ("tier", "disk")))] == 4096
     assert got[(moved, (("direction", "load"), ("tier", "host")))] == 8192
     assert got[(moved, (("direction", "load"), ("tier", "disk")))] == 4096
+    assert got[("pagedserve:kv_offload_dropped_blocks_total", (("tier", "disk"),))] == 5
     assert got[("pagedserve:kv_offload_used_bytes", (("tier", "host"),))] == 8192
     assert got[("pagedserve:kv_offload_capacity_bytes", (("tier", "disk"),))] == 2**21
 
