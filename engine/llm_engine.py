@@ -445,7 +445,7 @@ class LLMEngine:
             return list(self.pooling.finish(step.out, self.executor.embed(step.batch.host)))
         logits = self.executor.execute(step.batch.host)
         if self.offload is not None:  # the blocks this step wrote, before any is reused
-            self.offload.store(self.kv.take_offload_stores())
+            self.kv.store_offloaded()
         if self.speculator is not None:
             self.speculator.observe(step.out)
         outputs = self.emit_step(self.apply_step(step, logits))

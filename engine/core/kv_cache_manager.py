@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING
 
 from engine.core.block_pool import BlockHash, BlockPool
 from engine.core.sequence import Sequence
-from engine.kv_events.events import BlockStored, KVEvent, KVEventRecorder
+from engine.kv_events.events import (
+    HOST_TIER,
+    POOL,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventRecorder,
+)
 
 if TYPE_CHECKING:
     from engine.kv_offload.connector import FoundBlock, KVOffloadConnector
@@ -79,6 +86,12 @@ class KVCacheManager:
         # since the last step ran are stored to them once it has written them.
         self.offload = offload
         self._offload_new: list[tuple[int, BlockHash]] = []
+        # With KV events on, the host tier's stores and evictions are events too ("CPU"): the
+        # sequence and block index of each block on its way there, for its tokens.
+        self._tier_blocks: dict[BlockHash, tuple[Sequence, int]] | None = None
+        if offload is not None and self.events is not None:
+            offload.host_changes = []
+            self._tier_blocks = {}
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -164,6 +177,7 @@ class KVCacheManager:
                 rest = -(-min(seq.num_tokens - (i + 1) * bs, max_new_tokens) // bs)
                 if num_found + 1 + rest > self.pool.num_free:
                     break
+                self._note_tier_block(seq, i, hashes[i])
                 found = self.offload.find(hashes[i])
                 if found is None:
                     break
@@ -190,12 +204,49 @@ class KVCacheManager:
         finally:
             # Back to the cached free blocks (the tail first), until allocate_slots takes them.
             self.pool.release(held[::-1])
+            self._record_tier_changes(hashes[len(hits) :])  # blocks read from disk into host
 
-    def take_offload_stores(self) -> list[tuple[int, BlockHash]]:
+    def _take_offload_stores(self) -> list[tuple[int, BlockHash]]:
         """The (block, hash) pairs registered since the last call whose K/V the step that just
         ran has written: a block the step gave back unwritten (`unregister_step`) is left out."""
         new, self._offload_new = self._offload_new, []
         return [(b, h) for b, h in new if self.pool.block_hash[b] == h]
+
+    def store_offloaded(self) -> None:
+        """Copy the blocks the step that just ran has written to the tiers."""
+        assert self.offload is not None
+        new = self._offload_new
+        self.offload.store(self._take_offload_stores())
+        self._record_tier_changes([h for _, h in new])
+
+    def _note_tier_block(self, seq: Sequence, index: int, block_hash: BlockHash) -> None:
+        if self._tier_blocks is not None:
+            self._tier_blocks[block_hash] = (seq, index)
+
+    def _record_tier_changes(self, done: list[BlockHash]) -> None:
+        """The host tier's changes as events, in order; `done`: the blocks noted for them."""
+        if self._tier_blocks is None or self.events is None or self.offload is None:
+            return
+        changes = self.offload.host_changes or []
+        removed: list[BlockHash] = []
+        for stored, block_hash in changes:
+            if not stored:
+                removed.append(block_hash)
+                continue
+            if removed:
+                self.events.events.append(BlockRemoved(removed, HOST_TIER))
+                removed = []
+            noted = self._tier_blocks.get(block_hash)
+            hashes = [] if noted is None else self._hashes.get(noted[0].seq_id, [])
+            if noted is None or len(hashes) <= noted[1]:
+                continue  # not noted here (a test filling the tier), or its sequence is gone
+            seq, index = noted
+            self.events.events.append(self._block_stored(seq, hashes, index, index + 1, HOST_TIER))
+        if removed:
+            self.events.events.append(BlockRemoved(removed, HOST_TIER))
+        changes.clear()
+        for block_hash in done:
+            self._tier_blocks.pop(block_hash, None)
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
@@ -257,6 +308,7 @@ class KVCacheManager:
                 self._step_stores.registered[seq.seq_id][1].append(table[i])
                 if self.offload is not None:
                     self._offload_new.append((table[i], hashes[i]))
+                    self._note_tier_block(seq, i, hashes[i])
                 if run_start is None:
                     run_start = i
             elif run_start is not None:
@@ -274,8 +326,16 @@ class KVCacheManager:
         next run's parent, as the chain says)."""
         if self.events is None:
             return
+        stored = self._block_stored(seq, hashes, start, end, POOL)
+        self.events.events.append(stored)
+        if in_step:
+            self._step_stores.events.append(stored)
+
+    def _block_stored(
+        self, seq: Sequence, hashes: list[BlockHash], start: int, end: int, medium: str
+    ) -> BlockStored:
         bs = self.block_size
-        stored = BlockStored(
+        return BlockStored(
             hashes[start:end],
             hashes[start - 1] if start > 0 else None,
             seq.all_token_ids[start * bs : end * bs],
@@ -283,10 +343,8 @@ class KVCacheManager:
             None if seq.lora is None else seq.lora.lora_int_id,
             None if seq.lora is None else seq.lora.lora_name,
             self._extra_keys(seq, start, end),
+            medium,
         )
-        self.events.events.append(stored)
-        if in_step:
-            self._step_stores.events.append(stored)
 
     def _extra_keys(self, seq: Sequence, start: int, end: int) -> list[list[str] | None] | None:
         """Per block, the hex hashes of the images it covers (vLLM's `extra_keys`); None when

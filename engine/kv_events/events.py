@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# vLLM's `medium` names: "GPU" is the engine's own KV pool, wherever it lives (also in a CPU's
+# memory: llm-d reads it as the default tier); "CPU" is the host-memory offload tier.
+POOL = "GPU"
+HOST_TIER = "CPU"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -20,13 +25,15 @@ class BlockStored:
     # Per block, the hashes of the images its tokens stand for (None: none), as vLLM's
     # `extra_keys` carries them; None when no block has any.
     extra_keys: list[list[str] | None] | None = None
+    medium: str = POOL  # where the blocks are now
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Cached blocks were evicted: their hashes no longer find anything."""
+    """Cached blocks were evicted from `medium`: their hashes no longer find anything there."""
 
     block_hashes: list[bytes]
+    medium: str = POOL
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,10 @@ The facts, and where they come from:
   take from a bytes hash. They identify blocks within this engine only: a consumer matches
   them to one another (a parent to its child, a removal to its store), never to vLLM's.
 - `medium` is "GPU", vLLM's name for the engine's own KV pool (what llm-d treats as the
-  default tier), even when the pool lives in CPU memory: "CPU" would claim an offload tier.
+  default tier), even when the pool lives in CPU memory; "CPU" is the host-memory offload tier
+  (vLLM's OffloadingConnector reports its CPU tier so). The disk tier is not reported: its
+  blocks outlive the process, and nothing could tell a subscriber of a restarted engine which
+  tokens the files it kept hold.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ import msgpack
 from config.kv_events_config import WireFormat
 from engine.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-MEDIUM = "GPU"
 U64 = (1 << 64) - 1
 
 
@@ -77,7 +79,7 @@ def event_fields(event: KVEvent, spec: CacheSpec) -> tuple[str, list[tuple[str, 
             ("token_ids", event.token_ids, False),
             ("block_size", event.block_size, False),
             ("lora_id", event.lora_id, False),
-            ("medium", MEDIUM, False),
+            ("medium", event.medium, False),
             ("lora_name", event.lora_name, False),
             ("extra_keys", event.extra_keys, True),
             ("group_idx", 0, True),
@@ -87,7 +89,7 @@ def event_fields(event: KVEvent, spec: CacheSpec) -> tuple[str, list[tuple[str, 
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", [
             ("block_hashes", [external_hash(h) for h in event.block_hashes], False),
-            ("medium", MEDIUM, False),
+            ("medium", event.medium, False),
             ("group_idx", 0, True),
         ]
     assert isinstance(event, AllBlocksCleared)

@@ -52,6 +52,10 @@ class KVOffloadConnector:
         self._stored: Counter[str] = Counter()
         self._loaded: Counter[str] = Counter()
         self._dropped_before = 0  # the writer's drops counted by earlier stats
+        self._host_hash: dict[bytes, bytes] = {}  # tier key -> pool hash, of the host's blocks
+        # With KV events on: what entered (True) and left (False) the host tier, by pool hash,
+        # in order, until the KV cache manager turns it into events.
+        self.host_changes: list[tuple[bool, bytes]] | None = None
 
     def key(self, block_hash: bytes) -> bytes:
         return tier_key(self.identity, block_hash)
@@ -69,16 +73,34 @@ class KVOffloadConnector:
         if self._reader is not None:
             block = self._reader.take(key)
             if block is not None:  # read ahead
-                if self.host is not None:
-                    self.host.put(key, block)
+                self._put_host(key, block_hash, block)
                 return FoundBlock("disk", block, block_hash)
         if self.disk is not None:
             block = self.disk.read(key)
             if block is not None:
-                if self.host is not None:  # the next visit finds it in memory
-                    self.host.put(key, block)
+                self._put_host(key, block_hash, block)  # the next visit finds it in memory
                 return FoundBlock("disk", block, block_hash)
         return None
+
+    def _put_host(self, key: bytes, block_hash: bytes, block: torch.Tensor) -> bool:
+        """Keep a block in the host tier (if there is one); whether it was taken."""
+        if self.host is None:
+            return False
+        evicted = self.host.put(key, block)
+        if evicted is None:
+            return False
+        self._host_hash[key] = block_hash
+        for old in evicted:
+            old_hash = self._host_hash.pop(old, None)
+            if self.host_changes is not None and old_hash is not None:
+                self.host_changes.append((False, old_hash))
+        if self.host_changes is not None:
+            self.host_changes.append((True, block_hash))
+        return True
+
+    def host_block_hashes(self) -> set[bytes]:
+        """The pool hashes of the blocks the host tier holds (what KV events say it holds)."""
+        return set(self._host_hash.values())
 
     def read_ahead(self, hashes: list[bytes]) -> None:
         """Start reading the blocks of this chain that only the disk holds, up to the first
@@ -121,18 +143,16 @@ class KVOffloadConnector:
     def store(self, blocks: list[tuple[int, bytes]]) -> None:
         """Copy out the (pool block, block hash) pairs a step has just written, those that
         some tier does not hold yet."""
-        todo = [(block_id, self.key(h)) for block_id, h in blocks]
-        todo = [(block_id, key) for block_id, key in todo if not self._held(key)]
+        todo = [(block_id, self.key(h), h) for block_id, h in blocks]
+        todo = [t for t in todo if not self._held(t[1])]
         if not todo:
             return
-        stored = self.io.gather([block_id for block_id, _ in todo])
-        keys = [key for _, key in todo]
+        stored = self.io.gather([block_id for block_id, _, _ in todo])
+        keys = [key for _, key, _ in todo]
         size = stored.blocks[0].numel() * stored.blocks[0].element_size()
-        if self.host is not None:
-            for key, block in zip(keys, stored.blocks):
-                if key not in self.host:
-                    self.host.put(key, block)
-                    self._stored["host"] += size
+        for (_, key, block_hash), block in zip(todo, stored.blocks):
+            if self._put_host(key, block_hash, block):
+                self._stored["host"] += size
         if self._writer is not None and self.disk is not None and self.disk.enabled:
             new = [(k, b) for k, b in zip(keys, stored.blocks) if k not in self.disk]
             if new:

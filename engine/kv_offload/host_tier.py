@@ -29,13 +29,17 @@ class HostTier:
             self._blocks.move_to_end(key)
         return block
 
-    def put(self, key: bytes, block: torch.Tensor) -> None:
-        """Keep `block` (the caller's own tensor), evicting the oldest to make room."""
+    def put(self, key: bytes, block: torch.Tensor) -> list[bytes] | None:
+        """Keep `block` (the caller's own tensor), evicting the oldest to make room: the keys
+        evicted, or None when it was not kept (held already, or larger than the tier)."""
         size = block.numel() * block.element_size()
         if key in self._blocks or size > self.capacity_bytes:
-            return
+            return None
+        evicted = []
         while self.used_bytes + size > self.capacity_bytes:
-            _, old = self._blocks.popitem(last=False)
+            old_key, old = self._blocks.popitem(last=False)
             self.used_bytes -= old.numel() * old.element_size()
+            evicted.append(old_key)
         self._blocks[key] = block
         self.used_bytes += size
+        return evicted

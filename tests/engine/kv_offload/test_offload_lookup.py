@@ -54,8 +54,7 @@ def compute(kv: KVCacheManager, cache: Cache, s: Sequence) -> list[int]:
     table = kv.allocate_slots(s, s.num_tokens - len(hits) * BS, hits)
     assert table is not None
     cache.forward(table, s.all_token_ids)
-    assert kv.offload is not None
-    kv.offload.store(kv.take_offload_stores())
+    kv.store_offloaded()
     kv.free(s)
     return table
 
