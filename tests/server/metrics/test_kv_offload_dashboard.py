@@ -1,7 +1,8 @@
 """The dashboard's KV offload panels, answered by a real Prometheus scraping a server whose pool
-is too small for its documents and whose host tier holds them: documents read once, then again
-after the pool has evicted them. The engine is the server's own, so its counters start at 0 in
-the rate window and each panel's ratio is the ratio of the server's own totals."""
+is too small for its documents and whose host tier holds them (a disk tier beside it):
+documents read once, then again after the pool has evicted them. The engine is the server's
+own, so its counters start at 0 in the rate window and each panel's ratio is the ratio of the
+server's own totals."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_the_dashboards_kv_offload_panels_answer_from_a_real_prometheus(
         max_num_seqs=2,
         num_kv_blocks=12,  # two documents at most: revisits find theirs evicted
         kv_offloading_size=0.002,
+        kv_offloading_disk_dir=str(tmp_path / "tier"),
+        kv_offloading_disk_size=0.004,
     )
     config = ServerConfig(served_model_name=[MODEL])
     server = RunningServer(engine, config, attach_metrics(engine, config))
@@ -70,21 +73,28 @@ def test_the_dashboards_kv_offload_panels_answer_from_a_real_prometheus(
             wait_for_answer(
                 prometheus, "pagedserve:external_prefix_cache_hits_total" + selector, hits
             )
-            hit_rate, moved, usage = dashboard_queries(kv_offload=True)
+            hit_rate, moved, usage, dropped = dashboard_queries(kv_offload=True)
             [[_, got]] = [r["value"] for r in answer(prometheus, hit_rate, MODEL)]
             assert float(got) == pytest.approx(hits / queries)
             by_series = {
                 (r["metric"]["direction"], r["metric"]["tier"]): float(r["value"][1])
                 for r in answer(prometheus, moved, MODEL)
             }
-            assert set(by_series) == {("store", "host"), ("load", "host")}
+            # Every series from start-up; revisits find the host tier first, never the disk.
+            assert set(by_series) == {(d, t) for d in ("store", "load") for t in ("host", "disk")}
+            assert by_series.pop(("load", "disk")) == 0
             assert all(rate > 0 for rate in by_series.values())
-            [row] = answer(prometheus, usage, MODEL)
+            rows = {
+                r["metric"]["tier"]: float(r["value"][1]) for r in answer(prometheus, usage, MODEL)
+            }
+            assert set(rows) == {"host", "disk"}
             used = seen[("pagedserve:kv_offload_used_bytes", (("tier", "host"),))]
             capacity = seen[("pagedserve:kv_offload_capacity_bytes", (("tier", "host"),))]
-            assert row["metric"] == {"tier": "host"}
-            assert float(row["value"][1]) == pytest.approx(used / capacity)
+            assert rows["host"] == pytest.approx(used / capacity)
             assert 0 < used <= capacity
+            # The disk kept up with these few blocks: none dropped.
+            [row] = answer(prometheus, dropped, MODEL)
+            assert float(row["value"][1]) == 0
     finally:
         server.stop()
         engine.shutdown()

@@ -296,7 +296,7 @@ def test_every_dashboard_query_returns_data(server: RunningServer, prometheus: s
         *dashboard_queries(images=True),
         *dashboard_queries(kv_offload=True),
     ]
-    assert len(optional) == 3 + 4 + 3
+    assert len(optional) == 3 + 4 + 4
     for expr in optional:
         assert answer(prometheus, expr, MODEL) == [], expr
 
