@@ -141,7 +141,14 @@ class KVCacheManager:
             self.offload.read_ahead(self._tier_hashes(seq))
 
     def tier_reads_pending(self, seq: Sequence) -> bool:
-        return self.offload is not None and self.offload.reading(self._tier_hashes(seq))
+        """Whether the disk tier is still reading blocks of the prompt (asked at every admission
+        attempt: the prompt's hashes are named only while some read is in flight)."""
+        offload = self.offload
+        return (
+            offload is not None
+            and offload.reading_ahead
+            and offload.reading(self._tier_hashes(seq))
+        )
 
     def wait_for_tier_reads(self, seq: Sequence) -> None:
         if self.offload is not None:
@@ -237,10 +244,12 @@ class KVCacheManager:
                 self.events.events.append(BlockRemoved(removed, HOST_TIER))
                 removed = []
             noted = self._tier_blocks.get(block_hash)
-            hashes = [] if noted is None else self._hashes.get(noted[0].seq_id, [])
-            if noted is None or len(hashes) <= noted[1]:
-                continue  # not noted here (a test filling the tier), or its sequence is gone
+            if noted is None:  # not put there through this manager (a test filling the tier)
+                continue
             seq, index = noted
+            hashes = self._hashes.get(seq.seq_id, [])
+            if len(hashes) <= index:  # its sequence is gone: its tokens with it
+                continue
             self.events.events.append(self._block_stored(seq, hashes, index, index + 1, HOST_TIER))
         if removed:
             self.events.events.append(BlockRemoved(removed, HOST_TIER))

@@ -117,6 +117,12 @@ class KVOffloadConnector:
             keys.append(key)
         self._reader.request(keys)
 
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether any block is being read ahead now: what the scheduler asks before naming
+        a request's blocks, so that an idle reader costs it nothing."""
+        return self._reader is not None and self._reader.busy
+
     def reading(self, hashes: list[bytes]) -> bool:
         """Whether any of these blocks is still being read ahead."""
         return self._reader is not None and self._reader.reading([self.key(h) for h in hashes])

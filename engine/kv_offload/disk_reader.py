@@ -38,6 +38,11 @@ class DiskReader:
         if keys:
             self._queue.put(keys)
 
+    @property
+    def busy(self) -> bool:
+        """Whether any read is in flight (a set's emptiness: no lock needed to peek)."""
+        return bool(self._reading)
+
     def reading(self, keys: list[bytes]) -> bool:
         with self._lock:
             return any(k in self._reading for k in keys)

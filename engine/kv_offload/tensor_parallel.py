@@ -8,8 +8,8 @@ found until rank 0 loads it: nothing evicts it in between. Loads and stores reac
 as messages on the same pipe as the steps, so each rank copies its slice in the order rank 0
 did, between the same two steps.
 
-Every rank stores the same blocks and loads the same hits, each slice the same size: the bytes
-and usage rank 0 reports are multiplied by the number of ranks."""
+Every rank stores the same blocks and loads the same hits, each slice the same size: the bytes,
+usage and dropped blocks rank 0 reports are multiplied by the number of ranks."""
 
 from __future__ import annotations
 
